@@ -1,0 +1,8 @@
+"""kvmix: truly packed low-bit KV caches for transformers decoder LLMs."""
+
+from kvmix.attention import make_cache
+from kvmix.cache import KVMixCache
+from kvmix.methods import Method, parse_method
+
+__version__ = "0.1.0"
+__all__ = ["KVMixCache", "Method", "make_cache", "parse_method", "__version__"]

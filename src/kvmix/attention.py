@@ -1,0 +1,62 @@
+"""The ``kvmix`` attention function, registered in transformers' attention registry.
+
+It attends exactly like SDPA over the keys and values the cache layer returned (the torch
+reference path: the sink, decoded blocks and residual) and then commits the layer, handing it the
+post-RoPE queries and the mask so it can select channels at prefill and flush without padding.
+For layers kvmix does not manage, it is plain SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvmix.cache import KVMixCache, take_pending
+from kvmix.methods import Method
+
+NAME = "kvmix"
+
+
+def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    **kwargs) -> tuple[torch.Tensor, None]:
+    # query: [B, Hq, q, D]; key, value: [B, Hkv, T, D]; attention_mask: [B, 1, q, T] bool or None
+    layer = take_pending()
+    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if layer is not None:
+        layer.commit(query, attention_mask)
+    return out
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, kvmix_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def use_kvmix_attention(model: Any) -> None:
+    """Route the model's attention through kvmix; refuse models that cannot be routed."""
+    register()
+    if getattr(model.config, "_attn_implementation", None) == NAME:
+        return
+    can_set = getattr(model, "_can_set_attn_implementation", lambda: False)
+    if not can_set():
+        raise ValueError(
+            f"{type(model).__name__} does not dispatch attention through transformers' "
+            "AttentionInterface, so kvmix cannot see its queries or serve its cache"
+        )
+    model.set_attn_implementation(NAME)
+
+
+def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
+    """A packed cache for ``model``: ``model.generate(..., cache=make_cache(model, "kivi2"))``.
+
+    Sets the model's attention implementation to ``kvmix`` (SDPA plus the cache commit; for any
+    other cache it behaves exactly as SDPA).
+    """
+    cache = KVMixCache(method, model.config)
+    use_kvmix_attention(model)
+    return cache

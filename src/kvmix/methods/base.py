@@ -1,0 +1,98 @@
+"""The contract every method follows, and the model facts a method may check against.
+
+A method turns one block of ``group`` tokens of keys and values into stored state (``encode``) and
+back (``decode``), declares its theoretical bits per element (``bits``), and may pick channels once
+at prefill (``select``). It never sees the cache, the model or transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a method needs to know about the model it is bound to."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class Block:
+    """One quantized block of a layer: method-specific key and value state for ``length`` tokens.
+
+    ``length`` equals the method's ``group`` except after a crop that ends inside the block.
+    """
+
+    keys: Any
+    values: Any
+    length: int
+
+
+def positive(value: Any, name: str, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
+
+
+@dataclass
+class Method:
+    """Cache layout parameters shared by every method (SPEC §2).
+
+    sink: leading tokens kept at full precision; residual: capacity ``R`` of the full-precision
+    tail; group: tokens per quantized block (the key group), which must divide ``residual``.
+    """
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    presets: ClassVar[dict[str, dict[str, Any]]] = {}
+    quantizes: ClassVar[bool] = True
+
+    sink: int = 32
+    residual: int = 128
+    group: int = 128
+
+    def __post_init__(self) -> None:
+        positive(self.sink, "sink", minimum=0)
+        positive(self.residual, "residual")
+        positive(self.group, "group")
+        if self.residual % self.group:
+            raise ValueError(
+                f"group={self.group} must divide residual={self.residual} "
+                f"(valid groups: {[g for g in range(1, self.residual + 1) if self.residual % g == 0]})"
+            )
+
+    def bind(self, spec: ModelSpec) -> None:
+        """Check the parameters against a model; raise ValueError naming the parameter."""
+
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None,
+               layer: int) -> Any:
+        """Prefill-time channel selection; queries: [B, Hq, T, D], keys: [B, Hkv, T, D]."""
+        return None
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+               layer: int, selection: Any) -> tuple[Any, Any]:
+        """keys, values: [B, Hkv, group, D]; valid: [B, group] bool or None -> stored state."""
+        raise NotImplementedError
+
+    def decode(self, block: Block, layer: int, selection: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored state -> keys, values: [B, Hkv, group, D] in ``dtype``."""
+        raise NotImplementedError
+
+    def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
+        """Theoretical stored bits per key element and per value element of a block."""
+        raise NotImplementedError
+
+    def selection_bits(self, spec: ModelSpec) -> int:
+        """Bits per batch element and layer that ``select`` keeps for the whole generation."""
+        return 0
+
+    def describe(self) -> str:
+        """The bit formula, in words, for ``kvmix methods``."""
+        return ""

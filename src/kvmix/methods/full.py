@@ -1,0 +1,41 @@
+"""``full``: the reference. Blocks keep the model's own keys and values, unchanged."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvmix.methods import register
+from kvmix.methods.base import Block, Method
+
+
+@register
+@dataclass
+class Full(Method):
+    """Full precision (the model's dtype) for every token; what every method is measured against.
+
+    Bits per element: the dtype's width (32 for float32, 16 for float16/bfloat16).
+    """
+
+    name: ClassVar[str] = "full"
+    summary: ClassVar[str] = "reference: keys and values at the model's own precision"
+    quantizes: ClassVar[bool] = False
+
+    sink: int = 0
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+               layer: int, selection: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return keys, values
+
+    def decode(self, block: Block, layer: int, selection: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return block.keys.to(dtype), block.values.to(dtype)
+
+    def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
+        width = torch.finfo(dtype).bits
+        return float(width), float(width)
+
+    def describe(self) -> str:
+        return "key bits = value bits = dtype bits"

@@ -1,0 +1,103 @@
+"""Affine quantizers over groups, with packed storage.
+
+A group is the set of elements that share one (scale, minimum) pair: the elements along ``dim``.
+Per-channel keys reduce over the token axis; per-token values reduce over a group of channels.
+
+* min-max (``center=False``): ``s = (max-min)/(2^b-1)``, ``code = round((x-min)/s)``,
+  ``x̂ = min + s·code``; the error is at most half a step.
+* bin-center (``center=True``): ``s = (max-min)/2^b``, ``code = floor((x-min)/s)``,
+  ``x̂ = min + s·(code+½)``; the 1-bit levels sit at ¼ and ¾ of the range.
+
+Scale and minimum are stored in 16 bits (float16): the minimum rounded down and the scale rounded
+up, so the stored grid still covers the group, and codes are computed against the stored values.
+A constant group (max = min) has scale 0 and reconstructs to its float16 value: exact whenever the
+value is representable in float16 (always, for a float16 model). Values must be finite and inside
+the float16 range.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmix.packing import check_bits, pack, unpack
+
+STAT_DTYPE = torch.float16
+
+
+@dataclass
+class QuantizedTensor:
+    """Packed codes plus the per-group statistics needed to reconstruct them.
+
+    ``shape`` is the row shape (without the batch dimension, which is dimension 0 of every tensor
+    here, so batch ops can index all fields alike).
+    """
+
+    codes: torch.Tensor = field(metadata={"kind": "codes"})  # [B, packed bytes] uint8
+    scale: torch.Tensor = field(metadata={"kind": "scales"})  # [B, *stat shape] float16
+    minimum: torch.Tensor = field(metadata={"kind": "zeros"})  # [B, *stat shape] float16
+    shape: tuple[int, ...]
+    bits: int
+    center: bool = False
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+def quantize(
+    x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None, center: bool = False
+) -> QuantizedTensor:
+    """x: [B, ...] -> QuantizedTensor with one (scale, minimum) per slice along ``dim``.
+
+    ``valid`` (broadcastable to x, bool) marks the elements that may enter the statistics;
+    padding positions are excluded. A group with no valid element gets scale 0 and minimum 0.
+    """
+    check_bits(bits)
+    lo, hi = _group_range(x, dim, valid)
+    levels = 2**bits if center else 2**bits - 1
+    # Round the minimum down and the scale up so the stored grid covers [lo, hi]: the error
+    # bound (half a stored step) then holds for the float16 statistics actually kept.
+    constant = hi == lo
+    minimum = torch.where(constant, lo.to(STAT_DTYPE), _round16(lo, down=True))
+    scale = _round16((hi - minimum.to(x.dtype)) / levels, down=False).masked_fill(constant, 0)
+    codes = _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center)
+    return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits, center)
+
+
+def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """QuantizedTensor -> x̂: [B, *q.shape] in ``dtype``."""
+    codes = unpack(q.codes, q.bits, q.numel).view(-1, *q.shape).to(dtype)
+    offset = 0.5 if q.center else 0.0
+    return q.minimum.to(dtype) + q.scale.to(dtype) * (codes + offset)
+
+
+def _group_range(
+    x: torch.Tensor, dim: int, valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if valid is None:
+        return x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    valid = valid.expand_as(x)
+    lo = torch.where(valid, x, torch.inf).amin(dim, keepdim=True)
+    hi = torch.where(valid, x, -torch.inf).amax(dim, keepdim=True)
+    empty = ~valid.any(dim, keepdim=True)
+    return lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+
+
+def _round16(v: torch.Tensor, down: bool) -> torch.Tensor:
+    """Round to float16 in one direction (torch only rounds to nearest)."""
+    r = v.to(STAT_DTYPE)
+    wrong = r.to(v.dtype) > v if down else r.to(v.dtype) < v
+    toward = torch.tensor(-torch.inf if down else torch.inf, dtype=STAT_DTYPE, device=v.device)
+    return torch.where(wrong, torch.nextafter(r, toward), r)
+
+
+def _codes(
+    x: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, bits: int, center: bool
+) -> torch.Tensor:
+    # A zero scale (constant group) maps every element to code 0, i.e. to the minimum.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    steps = (x - minimum) / safe
+    steps = steps.floor() if center else steps.round()
+    return steps.clamp_(0, 2**bits - 1).to(torch.uint8)
