@@ -1,0 +1,75 @@
+"""The ``kvmix`` command line: one subcommand per job, each a thin layer over the library."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import fields
+
+from kvmix.compare import CompareConfig, run_compare
+from kvmix.methods import method_classes, parameters, presets, split_methods
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except ValueError as error:
+        parser.exit(2, f"kvmix {args.command}: error: {error}\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmix", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    compare = sub.add_parser("compare", help="memory, perplexity, token KL and time per method")
+    defaults = CompareConfig()
+    compare.add_argument("--model", default=defaults.model,
+                         help="'smollm2' (offline default), a transformers id/folder or a .gguf")
+    compare.add_argument("--data", default=defaults.data, help="'prose', 'code' or a text file")
+    compare.add_argument("--methods", default=",".join(defaults.methods),
+                         help="comma-separated methods with overrides, e.g. "
+                              "full,kivi2,kxvy:key_bits=4,value_bits=2")
+    compare.add_argument("--context", type=int, default=defaults.context,
+                         help="prompt tokens prefilled before scoring")
+    compare.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens,
+                         help="tokens scored by decoding over the cache")
+    compare.add_argument("--chunk", type=int, default=defaults.chunk,
+                         help="tokens per teacher-forced decode step (1 = exact decode)")
+    compare.add_argument("--dtype", default=defaults.dtype,
+                         help="auto (float32 on CPU), float32, float16, bfloat16")
+    compare.add_argument("--device", default=defaults.device)
+    compare.add_argument("--out", default=None, help="folder for results.json")
+    compare.set_defaults(run=_compare)
+    listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
+    listing.set_defaults(run=_methods)
+    return parser
+
+
+def _compare(args: argparse.Namespace) -> None:
+    names = {f.name for f in fields(CompareConfig)}
+    values = {k: v for k, v in vars(args).items() if k in names}
+    values["methods"] = split_methods(args.methods)
+    run_compare(CompareConfig(**values))
+
+
+def _methods(args: argparse.Namespace) -> None:
+    from kvmix.report import print_table
+
+    rows = [{"method": name, "about": cls.summary, "bits": cls().describe(),
+             "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
+            for name, cls in method_classes().items()]
+    rows += [{"method": name, "about": f"preset of {cls.name}",
+              "parameters": ", ".join(f"{k}={v}" for k, v in params.items())}
+             for name, (cls, params) in presets().items()]
+    print_table("kvmix methods", rows, {"method": "method", "about": "about",
+                                        "bits": "bits per element", "parameters": "parameters"})
+
+
+def _show(value) -> str:
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

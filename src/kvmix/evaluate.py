@@ -1,0 +1,81 @@
+"""Evaluation through the cache (SPEC §6).
+
+A single forward pass never reads the cache, so perplexity is measured by prefilling a context
+and then scoring the following tokens by teacher-forced decoding in chunks, each chunk attending
+to the (quantized) cache. Token KL compares, position by position, the next-token distributions
+of a method with those of the ``full`` cache.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvmix.attention import make_cache
+from kvmix.cache import KVMixCache
+from kvmix.methods import Method
+
+
+@dataclass
+class Scored:
+    """Next-token log-probabilities of the evaluated positions and what the cache held after."""
+
+    logprobs: torch.Tensor  # [N, V] float32
+    targets: torch.Tensor  # [N]
+    seconds: float
+    nbytes: int
+    nbytes_breakdown: dict[str, int] = field(default_factory=dict)
+    theoretical_nbytes: float = 0.0
+    nbytes_fp16: int = 0
+
+    @property
+    def nll(self) -> float:
+        return -self.logprobs.gather(1, self.targets[:, None]).mean().item()
+
+    @property
+    def ppl(self) -> float:
+        return float(torch.tensor(self.nll).exp())
+
+
+def check_lengths(context: int, eval_tokens: int, chunk: int) -> None:
+    for name, value in (("context", context), ("eval_tokens", eval_tokens), ("chunk", chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
+
+
+@torch.no_grad()
+def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: int = 1,
+          progress: Callable[[int], None] | None = None) -> Scored:
+    """Prefill ``ids[:, :context]``, then decode the rest in chunks over the method's cache.
+
+    ids: [1, context + N + 1]; scores the N tokens after the first decoded one, whose logits all
+    come from attention over the cache (the prefill's own last logit never reads it).
+    """
+    check_lengths(context, ids.shape[1] - context - 1, chunk)
+    ids = ids.to(model.device)
+    cache = make_cache(model, method)
+    start = time.perf_counter()
+    model(ids[:, :context], cache=cache, use_cache=True)
+    logprobs = []
+    for begin in range(context, ids.shape[1] - 1, chunk):
+        piece = ids[:, begin : min(begin + chunk, ids.shape[1] - 1)]  # [1, c]
+        logits = model(piece, cache=cache, use_cache=True).logits[0]  # [c, V]
+        logprobs.append(torch.log_softmax(logits.float(), dim=-1))
+        if progress:
+            progress(piece.shape[1])
+    seconds = time.perf_counter() - start
+    return _scored(cache, torch.cat(logprobs), ids[0, context + 1 :], seconds)
+
+
+def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
+            seconds: float) -> Scored:
+    return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.nbytes(),
+                  cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes())
+
+
+def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
+    """Mean over positions of KL(reference ‖ other); both [N, V] log-probabilities."""
+    return (reference.exp() * (reference - other)).sum(-1).mean().item()

