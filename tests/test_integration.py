@@ -56,7 +56,7 @@ def test_generate_on_the_real_model(real_model):
         out = real_model.model.generate(**ids, cache=cache, max_new_tokens=48, min_new_tokens=48,
                                         do_sample=False)
     assert out.shape[1] == ids.input_ids.shape[1] + 48
-    assert cache.layers[0].blocks and cache.nbytes() == cache.theoretical_nbytes()
+    assert cache.layers[0].lengths and cache.nbytes() == cache.theoretical_nbytes()
 
 
 def test_compare_writes_the_documented_json(real_model, tmp_path):

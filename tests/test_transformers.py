@@ -27,7 +27,7 @@ def test_full_reproduces_dynamic_cache_logits(tiny_model):
     reference = decode_logits(tiny_model, DynamicCache(config=tiny_model.config), ids, 20)
     cache = kvmix.make_cache(tiny_model, f"full:{SMALL}")
     ours = decode_logits(tiny_model, cache, ids, 20)
-    assert cache.layers[0].blocks, "the test must exercise stored blocks"
+    assert cache.layers[0].lengths, "the test must exercise stored blocks"
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
 
 
@@ -53,13 +53,14 @@ def test_left_padding_never_enters_statistics():
         model(ids, attention_mask=mask, cache=exact, use_cache=True)
         model(ids, attention_mask=mask, cache=packed, use_cache=True)
     for layer_exact, layer_packed in zip(exact.layers, packed.layers):
-        keys = layer_exact.blocks[0].keys[0]  # [H, 8, D] of the padded sequence
-        stored = layer_packed.blocks[0].keys.minimum[0, :, 0]  # [H, D]
+        keys = layer_exact.blocks.keys[0, 0]  # block 0 of the padded sequence: [H, 8, D]
+        stored = layer_packed.blocks.keys.minimum[0, 0, :, 0]  # [H, D]
         valid_min, all_min = keys[:, pad:].amin(1), keys.amin(1)
         assert (valid_min != all_min).any(), "padding keys must be able to change the minimum"
         assert torch.all(stored.float() <= valid_min) and torch.all(valid_min - stored.float() < 1e-2)
         # the unpadded sequence's statistics cover all of its tokens
-        assert torch.all(layer_packed.blocks[0].keys.minimum[1, :, 0].float() <= layer_exact.blocks[0].keys[1].amin(1))
+        other = layer_packed.blocks.keys.minimum[1, 0, :, 0].float()
+        assert torch.all(other <= layer_exact.blocks.keys[1, 0].amin(1))
 
 
 def test_left_padded_batch_generates_like_each_sequence_alone():
@@ -86,8 +87,8 @@ def test_beam_search_and_sampling_run(tiny_model):
                                   num_beams=3, do_sample=False, cache=cache)
     assert out.shape == (2, 54)
     assert cache.get_seq_length() == 53  # the last token is produced, never fed back
-    assert len(cache.layers[0].blocks) == (53 - 4 - 16) // 8 + 1
-    assert cache.layers[0].blocks[0].keys.codes.shape[0] == 6  # batch x beams
+    assert len(cache.layers[0].lengths) == (53 - 4 - 16) // 8 + 1
+    assert cache.layers[0].blocks.keys.codes.shape[:2] == (6, 5)  # batch x beams, blocks
 
 
 def test_cache_refuses_a_model_that_does_not_commit(tiny_model):
@@ -139,7 +140,7 @@ def test_per_layer_bits_are_used_per_layer(tiny_model):
     cache = kvmix.make_cache(tiny_model, f"kxvy:key_bits=1/8,value_bits=2/4,{SMALL}")
     with torch.no_grad():
         tiny_model(torch.randint(1, 97, (1, 40)), cache=cache, use_cache=True)
-    first, second = (layer.blocks[0] for layer in cache.layers)
+    first, second = (layer.blocks for layer in cache.layers)
     assert (first.keys.bits, second.keys.bits) == (1, 8)
     assert (first.values.bits, second.values.bits) == (2, 4)
     assert second.keys.codes.numel() == 8 * first.keys.codes.numel()

@@ -25,8 +25,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from kvmix.methods import Block, Method, ModelSpec, parse_method
-from kvmix.tree import map_tensors, tensor_bytes
+from kvmix.methods import Blocks, Method, ModelSpec, parse_method
+from kvmix.tree import map_tensors, tensor_bytes, zip_tensors
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
 
@@ -80,7 +80,8 @@ class KVMixLayer(CacheLayerMixin):
     def _clear(self) -> None:
         self.sink_keys = self.sink_values = None  # [B, H, s, D]
         self.res_keys = self.res_values = None  # [B, H, r, D]
-        self.blocks: list[Block] = []
+        self.blocks: Blocks | None = None  # every tensor [B, n_blocks, ...]
+        self.lengths: list[int] = []  # tokens held per block (< group only after a crop)
         self.selection: Any = None
         self.prefilled = False
         self.is_initialized = False
@@ -113,8 +114,7 @@ class KVMixLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return 0
-        held = sum(b.length for b in self.blocks)
-        return self.sink_keys.shape[-2] + held + self.res_keys.shape[-2]
+        return self.sink_keys.shape[-2] + sum(self.lengths) + self.res_keys.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -152,9 +152,20 @@ class KVMixLayer(CacheLayerMixin):
 
     def materialize(self) -> torch.Tensor:
         """The reference attention path: every held token, blocks decoded (never re-encoded)."""
-        decoded = [self._decode(b) for b in self.blocks]
-        keys = torch.cat([self.sink_keys, *(k for k, _ in decoded), self.res_keys], dim=-2)
-        values = torch.cat([self.sink_values, *(v for _, v in decoded), self.res_values], dim=-2)
+        keys, values = self.decode_blocks()
+        keys = torch.cat([self.sink_keys, keys, self.res_keys], dim=-2)
+        values = torch.cat([self.sink_values, values, self.res_values], dim=-2)
+        return keys, values
+
+    def decode_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All blocks in one decode call -> keys, values: [B, H, sum(lengths), D]."""
+        if self.blocks is None:
+            return self.sink_keys[..., :0, :], self.sink_values[..., :0, :]
+        keys, values = self.method.decode(self.blocks, self.layer_idx, self.selection, self.dtype)
+        keys, values = (x.transpose(1, 2).flatten(2, 3) for x in (keys, values))  # [B, H, n*G, D]
+        if sum(self.lengths) < len(self.lengths) * self.method.group:  # a crop ended in a block
+            held = self._held_positions()
+            keys, values = keys.index_select(2, held), values.index_select(2, held)
         return keys, values
 
     def commit(self, queries: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
@@ -176,14 +187,15 @@ class KVMixLayer(CacheLayerMixin):
         s = min(length, self.sink_keys.shape[-2])
         self.sink_keys, self.sink_values = self.sink_keys[..., :s, :], self.sink_values[..., :s, :]
         left = length - s
-        kept = []
-        for block in self.blocks:
+        lengths = []
+        for held in self.lengths:
             if left <= 0:
                 break
-            block.length = min(block.length, left)
-            left -= block.length
-            kept.append(block)
-        self.blocks = kept
+            lengths.append(min(held, left))
+            left -= lengths[-1]
+        self.lengths = lengths
+        n = len(lengths)
+        self.blocks = map_tensors(self.blocks, lambda t: t[:, :n]) if n else None
         self.res_keys, self.res_values = self.res_keys[..., :left, :], self.res_values[..., :left, :]
 
     def nbytes_breakdown(self) -> Counter:
@@ -192,7 +204,7 @@ class KVMixLayer(CacheLayerMixin):
             return Counter()
         held = tensor_bytes([self.sink_keys, self.sink_values], "sink")
         held += tensor_bytes([self.res_keys, self.res_values], "residual")
-        held += tensor_bytes([(b.keys, b.values) for b in self.blocks], "full")
+        held += tensor_bytes(self.blocks, "full")
         return held + tensor_bytes(self.selection, "masks")
 
     def theoretical_nbytes(self, spec: ModelSpec) -> float:
@@ -203,18 +215,19 @@ class KVMixLayer(CacheLayerMixin):
         exact = self.sink_keys.shape[-2] + self.res_keys.shape[-2]
         elements = batch * heads * dim
         key_bits, value_bits = self.method.bits(self.layer_idx, self.dtype)
-        quantized = len(self.blocks) * self.method.group * (key_bits + value_bits) / 8
+        quantized = len(self.lengths) * self.method.group * (key_bits + value_bits) / 8
         selected = batch * self.method.selection_bits(spec) / 8 if self.prefilled else 0
         return elements * (exact * 2 * self.dtype.itemsize + quantized) + selected
 
-    def _decode(self, block: Block) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.method.decode(block, self.layer_idx, self.selection, self.dtype)
-        return keys[..., : block.length, :], values[..., : block.length, :]
+    def _held_positions(self) -> torch.Tensor:
+        g = self.method.group
+        return torch.cat([torch.arange(i * g, i * g + n, device=self.device)
+                          for i, n in enumerate(self.lengths)])
 
     def _fill_sink(self) -> None:
         # The sink is always the first tokens: it only grows while no block exists.
         room = self.method.sink - self.sink_keys.shape[-2]
-        if room <= 0 or self.blocks:
+        if room <= 0 or self.lengths:
             return
         self.sink_keys = torch.cat([self.sink_keys, self.res_keys[..., :room, :]], dim=-2)
         self.sink_values = torch.cat([self.sink_values, self.res_values[..., :room, :]], dim=-2)
@@ -227,7 +240,10 @@ class KVMixLayer(CacheLayerMixin):
         _check_finite(keys, values, self.layer_idx)
         block_valid = None if valid is None else valid[:, start : start + g]  # [B, G]
         state = self.method.encode(keys, values, block_valid, self.layer_idx, self.selection)
-        self.blocks.append(Block(*state, length=g))
+        block = map_tensors(Blocks(*state), lambda t: t.unsqueeze(1))  # [B, 1, ...]
+        self.blocks = block if self.blocks is None else zip_tensors(
+            self.blocks, block, lambda old, new: torch.cat([old, new], dim=1))
+        self.lengths.append(g)
         self.res_keys, self.res_values = self.res_keys[..., g:, :], self.res_values[..., g:, :]
 
     def _map_batch(self, fn) -> None:

@@ -39,12 +39,15 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """packed: [B, P] uint8 -> codes: [B, numel] uint8 (reshape to the caller's row shape)."""
+    """packed: [..., P] uint8 -> codes: [..., numel] uint8 (reshape to the caller's row shape).
+
+    Leading dimensions are rows: the batch, and the block axis of stacked blocks.
+    """
     check_bits(bits)
     if bits == 3:
         split = packed_bytes(numel, 2)
-        low = _unpack_plane(packed[:, :split], 2, numel)
-        return low | (_unpack_plane(packed[:, split:], 1, numel) << 2)
+        low = _unpack_plane(packed[..., :split], 2, numel)
+        return low | (_unpack_plane(packed[..., split:], 1, numel) << 2)
     return _unpack_plane(packed, bits, numel)
 
 
@@ -61,7 +64,9 @@ def _pack_plane(rows: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_plane(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    # packed: [B, P] -> [B, numel]
+    # packed: [..., P] -> [..., numel]
+    if bits == 8:
+        return packed[..., :numel]
     mask = (1 << bits) - 1
-    codes = (packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask  # [B, P, 8 // bits]
-    return codes.reshape(packed.shape[0], -1)[:, :numel]
+    codes = (packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask  # [..., P, 8 // bits]
+    return codes.flatten(-2)[..., :numel]

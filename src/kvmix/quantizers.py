@@ -30,8 +30,9 @@ STAT_DTYPE = torch.float16
 class QuantizedTensor:
     """Packed codes plus the per-group statistics needed to reconstruct them.
 
-    ``shape`` is the row shape (without the batch dimension, which is dimension 0 of every tensor
-    here, so batch ops can index all fields alike).
+    ``shape`` is the row shape, without the batch dimension, which is dimension 0 of every tensor
+    here so batch ops can index all fields alike. A cache layer stacks its blocks along
+    dimension 1 of every field (codes [B, n_blocks, bytes]); ``dequantize`` handles both.
     """
 
     codes: torch.Tensor = field(metadata={"kind": "codes"})  # [B, packed bytes] uint8
@@ -67,8 +68,10 @@ def quantize(
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """QuantizedTensor -> x̂: [B, *q.shape] in ``dtype``."""
-    codes = unpack(q.codes, q.bits, q.numel).view(-1, *q.shape).to(dtype)
+    """QuantizedTensor -> x̂: [*rows, *q.shape] in ``dtype``; rows are the leading dimensions of
+    ``codes`` ([B], or [B, n_blocks] for stacked blocks)."""
+    rows = q.codes.shape[:-1]
+    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape).to(dtype)
     offset = 0.5 if q.center else 0.0
     return q.minimum.to(dtype) + q.scale.to(dtype) * (codes + offset)
 

@@ -27,6 +27,19 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
+def zip_tensors(a: Any, b: Any, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """Combine two structures of the same shape tensor by tensor (``a`` gives the structure)."""
+    if isinstance(a, torch.Tensor):
+        return fn(a, b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        changes = {f.name: zip_tensors(getattr(a, f.name), getattr(b, f.name), fn)
+                   for f in dataclasses.fields(a)}
+        return dataclasses.replace(a, **changes)
+    if isinstance(a, (list, tuple)):
+        return type(a)(zip_tensors(x, y, fn) for x, y in zip(a, b))
+    return a
+
+
 def tensor_bytes(obj: Any, kind: str) -> Counter:
     """Bytes of every tensor in ``obj``, keyed by storage kind (``kind`` for untagged tensors)."""
     if isinstance(obj, torch.Tensor):

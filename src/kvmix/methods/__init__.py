@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvmix.methods.base import Block, Method, ModelSpec
+from kvmix.methods.base import Blocks, Method, ModelSpec
 
 _METHODS: dict[str, type[Method]] = {}
 _PRESETS: dict[str, tuple[type[Method], dict[str, Any]]] = {}
@@ -96,5 +96,5 @@ def _literal(raw: str) -> Any:
 # One line per method module: importing it registers it.
 from kvmix.methods import full, kivi, kxvy  # noqa: E402,F401
 
-__all__ = ["Block", "Method", "ModelSpec", "parse_method", "split_methods", "method_names",
+__all__ = ["Blocks", "Method", "ModelSpec", "parse_method", "split_methods", "method_names",
            "method_classes", "presets", "parameters", "register"]

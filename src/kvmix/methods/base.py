@@ -1,7 +1,7 @@
 """The contract every method follows, and the model facts a method may check against.
 
-A method turns one block of ``group`` tokens of keys and values into stored state (``encode``) and
-back (``decode``), declares its theoretical bits per element (``bits``), and may pick channels once
+A method turns one block of ``group`` tokens of keys and values into stored state (``encode``),
+turns stored blocks back into keys and values (``decode``, on blocks stacked along dimension 1), declares its theoretical bits per element (``bits``), and may pick channels once
 at prefill (``select``). It never sees the cache, the model or transformers.
 """
 
@@ -24,15 +24,12 @@ class ModelSpec:
 
 
 @dataclass
-class Block:
-    """One quantized block of a layer: method-specific key and value state for ``length`` tokens.
-
-    ``length`` equals the method's ``group`` except after a crop that ends inside the block.
-    """
+class Blocks:
+    """The quantized blocks of a layer: the method's key and value state, every tensor stacked as
+    ``[B, n_blocks, ...]`` so that one ``decode`` call serves the whole history."""
 
     keys: Any
     values: Any
-    length: int
 
 
 def positive(value: Any, name: str, minimum: int = 1) -> None:
@@ -80,9 +77,9 @@ class Method:
         """keys, values: [B, Hkv, group, D]; valid: [B, group] bool or None -> stored state."""
         raise NotImplementedError
 
-    def decode(self, block: Block, layer: int, selection: Any,
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored state -> keys, values: [B, Hkv, group, D] in ``dtype``."""
+        """Stacked state -> keys, values: [B, n_blocks, Hkv, group, D] in ``dtype``."""
         raise NotImplementedError
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.methods import register
-from kvmix.methods.base import Block, Method
+from kvmix.methods.base import Blocks, Method
 
 
 @register
@@ -29,9 +29,9 @@ class Full(Method):
                layer: int, selection: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return keys, values
 
-    def decode(self, block: Block, layer: int, selection: Any,
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return block.keys.to(dtype), block.values.to(dtype)
+        return blocks.keys.to(dtype), blocks.values.to(dtype)
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         width = torch.finfo(dtype).bits

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.methods import register
-from kvmix.methods.base import Block, Method, ModelSpec, positive
+from kvmix.methods.base import Blocks, Method, ModelSpec, positive
 from kvmix.packing import WIDTHS, check_bits
 from kvmix.quantizers import QuantizedTensor, dequantize, quantize
 
@@ -78,10 +78,10 @@ class KxVy(Method):
         v = quantize(grouped, per_layer(self.value_bits, layer), dim=-1)
         return k, v
 
-    def decode(self, block: Block, layer: int, selection: Any,
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = dequantize(block.keys, dtype)  # [B, H, G, D]
-        values = dequantize(block.values, dtype).flatten(-2)  # [B, H, G, D]
+        keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
+        values = dequantize(blocks.values, dtype).flatten(-2)  # [B, n, H, G, D]
         return keys, values
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
