@@ -20,6 +20,7 @@ run: $(STAMP)
 	$(BIN)/kvmix compare --methods full,kivi2,kivi4,kxvy:key_bits=4,value_bits=2,kxvy:key_bits=2,value_bits=4 --out results/compare
 
 test: $(STAMP)
+	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)

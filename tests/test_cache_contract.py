@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import TINY
 from transformers import LlamaConfig
 
-from conftest import TINY
 from kvmix.cache import KVMixCache, take_pending
 from kvmix.methods import method_names, parse_method
 from kvmix.tree import map_tensors
@@ -89,7 +89,8 @@ def test_blocks_are_append_only(name):
         feed(cache, 1, seed=100 + step)
     assert len(layer0(cache).lengths) > n
     after = map_tensors(layer0(cache).blocks, lambda t: t[:, :n])
-    assert _tensors(before) and all(torch.equal(a, b) for a, b in zip(_tensors(before), _tensors(after)))
+    pairs = zip(_tensors(before), _tensors(after), strict=True)
+    assert _tensors(before) and all(torch.equal(a, b) for a, b in pairs)
     k, v = layer0(cache).decode_blocks()
     held = keys.shape[-2]
     assert torch.equal(k[..., :held, :], keys) and torch.equal(v[..., :held, :], values)
@@ -104,7 +105,8 @@ def test_crop_keeps_the_prefix_on_every_segment(name, remove):
     cache.crop(-remove)
     assert cache.get_seq_length() == 50 - remove
     k, v = view(cache)
-    assert torch.equal(k, keys[..., : 50 - remove, :]) and torch.equal(v, values[..., : 50 - remove, :])
+    kept = 50 - remove
+    assert torch.equal(k, keys[..., :kept, :]) and torch.equal(v, values[..., :kept, :])
     feed(cache, 3)  # the cache keeps working after a crop
     assert cache.get_seq_length() == 53 - remove
 

@@ -76,3 +76,14 @@ def test_compare_writes_the_documented_json(real_model, tmp_path):
     assert all(payload["versions"][p] for p in ("torch", "transformers", "kvmix"))
     assert payload["model"]["layers"] == 30 and payload["data"]["name"] == "prose"
     assert [r["ppl"] for r in rows] == [r["ppl"] for r in payload["rows"]]
+
+
+def test_bench_measures_every_method(real_model, tmp_path):
+    from kvmix.bench import BenchConfig, run_bench
+
+    rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=96, new_tokens=4,
+                                 warmup=1, out=str(tmp_path)), loaded=real_model)
+    assert [r["method"] for r in rows] == ["full", "kivi2:residual=32"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert rows[1]["nbytes"] < rows[0]["nbytes"] / 2
+    assert json.loads((tmp_path / "results.json").read_text())["model"]["layers"] == 30

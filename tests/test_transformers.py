@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import tiny_llama
 from transformers import DynamicCache
 
 import kvmix
-from conftest import tiny_llama
 from kvmix.quantizers import dequantize
 
 SMALL = "sink=4,residual=16,group=8"
@@ -34,8 +34,11 @@ def test_full_reproduces_dynamic_cache_logits(tiny_model):
 def test_quantized_cache_is_read_while_decoding(tiny_model):
     ids = torch.randint(1, 97, (1, 70), generator=torch.Generator().manual_seed(2))
     reference = decode_logits(tiny_model, DynamicCache(config=tiny_model.config), ids, 20)
-    two = decode_logits(tiny_model, kvmix.make_cache(tiny_model, f"kxvy:key_bits=1,value_bits=1,{SMALL}"), ids, 20)
-    eight = decode_logits(tiny_model, kvmix.make_cache(tiny_model, f"kxvy:key_bits=8,value_bits=8,{SMALL}"), ids, 20)
+    def run(bits):
+        method = f"kxvy:key_bits={bits},value_bits={bits},{SMALL}"
+        return decode_logits(tiny_model, kvmix.make_cache(tiny_model, method), ids, 20)
+
+    two, eight = run(1), run(8)
     assert not torch.allclose(two, reference, atol=1e-3)  # quantization is really seen
     assert (eight - reference).abs().max() < (two - reference).abs().max() / 10
 
@@ -52,12 +55,13 @@ def test_left_padding_never_enters_statistics():
     with torch.no_grad():
         model(ids, attention_mask=mask, cache=exact, use_cache=True)
         model(ids, attention_mask=mask, cache=packed, use_cache=True)
-    for layer_exact, layer_packed in zip(exact.layers, packed.layers):
+    for layer_exact, layer_packed in zip(exact.layers, packed.layers, strict=True):
         keys = layer_exact.blocks.keys[0, 0]  # block 0 of the padded sequence: [H, 8, D]
         stored = layer_packed.blocks.keys.minimum[0, 0, :, 0]  # [H, D]
         valid_min, all_min = keys[:, pad:].amin(1), keys.amin(1)
         assert (valid_min != all_min).any(), "padding keys must be able to change the minimum"
-        assert torch.all(stored.float() <= valid_min) and torch.all(valid_min - stored.float() < 1e-2)
+        assert torch.all(stored.float() <= valid_min)
+        assert torch.all(valid_min - stored.float() < 1e-2)
         # the unpadded sequence's statistics cover all of its tokens
         other = layer_packed.blocks.keys.minimum[1, 0, :, 0].float()
         assert torch.all(other <= layer_exact.blocks.keys[1, 0].amin(1))
@@ -66,16 +70,17 @@ def test_left_padding_never_enters_statistics():
 def test_left_padded_batch_generates_like_each_sequence_alone():
     model = tiny_llama(seed=4)
     g = torch.Generator().manual_seed(4)
-    short, long = torch.randint(1, 97, (1, 30), generator=g), torch.randint(1, 97, (1, 36), generator=g)
+    short = torch.randint(1, 97, (1, 30), generator=g)
+    long = torch.randint(1, 97, (1, 36), generator=g)
     batch = torch.cat([torch.cat([torch.zeros(1, 6, dtype=torch.long), short], 1), long])
     mask = (batch != 0).long()
     mask[1] = 1
     method = f"kxvy:key_bits=4,value_bits=4,{SMALL}"
     with torch.no_grad():
-        together = model.generate(batch, attention_mask=mask, max_new_tokens=25, min_new_tokens=25, do_sample=False,
-                                  cache=kvmix.make_cache(model, method))
-        alone = model.generate(long, max_new_tokens=25, min_new_tokens=25, do_sample=False,
-                               cache=kvmix.make_cache(model, method))
+        greedy = {"max_new_tokens": 25, "min_new_tokens": 25, "do_sample": False}
+        together = model.generate(batch, attention_mask=mask, cache=kvmix.make_cache(model, method),
+                                  **greedy)
+        alone = model.generate(long, cache=kvmix.make_cache(model, method), **greedy)
     assert torch.equal(together[1, 36:], alone[0, 36:])
 
 
@@ -95,9 +100,8 @@ def test_cache_refuses_a_model_that_does_not_commit(tiny_model):
     cache = kvmix.KVMixCache("kivi2", tiny_model.config)
     tiny_model.set_attn_implementation("sdpa")
     try:
-        with pytest.raises(RuntimeError, match="attn_implementation='kvmix'"):
-            with torch.no_grad():
-                tiny_model(torch.randint(1, 97, (1, 5)), cache=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="attn_implementation='kvmix'"), torch.no_grad():
+            tiny_model(torch.randint(1, 97, (1, 5)), cache=cache, use_cache=True)
     finally:
         kvmix.make_cache(tiny_model, "full")  # restore kvmix attention for other tests
 

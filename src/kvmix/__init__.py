@@ -5,4 +5,4 @@ from kvmix.cache import KVMixCache
 from kvmix.methods import Method, parse_method
 
 __version__ = "0.1.0"
-__all__ = ["KVMixCache", "Method", "make_cache", "parse_method", "__version__"]
+__all__ = ["KVMixCache", "Method", "__version__", "make_cache", "parse_method"]

@@ -185,7 +185,7 @@ class KVMixLayer(CacheLayerMixin):
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens of every segment, in order."""
         s = min(length, self.sink_keys.shape[-2])
-        self.sink_keys, self.sink_values = self.sink_keys[..., :s, :], self.sink_values[..., :s, :]
+        self.sink_keys, self.sink_values = _head(self.sink_keys, self.sink_values, s)
         left = length - s
         lengths = []
         for held in self.lengths:
@@ -196,7 +196,7 @@ class KVMixLayer(CacheLayerMixin):
         self.lengths = lengths
         n = len(lengths)
         self.blocks = map_tensors(self.blocks, lambda t: t[:, :n]) if n else None
-        self.res_keys, self.res_values = self.res_keys[..., :left, :], self.res_values[..., :left, :]
+        self.res_keys, self.res_values = _head(self.res_keys, self.res_values, left)
 
     def nbytes_breakdown(self) -> Counter:
         """Bytes actually held, by kind: codes, scales, zeros, masks, sink, residual, full."""
@@ -229,14 +229,14 @@ class KVMixLayer(CacheLayerMixin):
         room = self.method.sink - self.sink_keys.shape[-2]
         if room <= 0 or self.lengths:
             return
-        self.sink_keys = torch.cat([self.sink_keys, self.res_keys[..., :room, :]], dim=-2)
-        self.sink_values = torch.cat([self.sink_values, self.res_values[..., :room, :]], dim=-2)
-        self.res_keys, self.res_values = self.res_keys[..., room:, :], self.res_values[..., room:, :]
+        keys, values = self._pop_residual(room)
+        self.sink_keys = torch.cat([self.sink_keys, keys], dim=-2)
+        self.sink_values = torch.cat([self.sink_values, values], dim=-2)
 
     def _flush(self, valid: torch.Tensor | None) -> None:
         g = self.method.group
         start = self.get_seq_length() - self.res_keys.shape[-2]
-        keys, values = self.res_keys[..., :g, :], self.res_values[..., :g, :]  # [B, H, G, D]
+        keys, values = self._pop_residual(g)  # [B, H, G, D]
         _check_finite(keys, values, self.layer_idx)
         block_valid = None if valid is None else valid[:, start : start + g]  # [B, G]
         state = self.method.encode(keys, values, block_valid, self.layer_idx, self.selection)
@@ -244,7 +244,12 @@ class KVMixLayer(CacheLayerMixin):
         self.blocks = block if self.blocks is None else zip_tensors(
             self.blocks, block, lambda old, new: torch.cat([old, new], dim=1))
         self.lengths.append(g)
-        self.res_keys, self.res_values = self.res_keys[..., g:, :], self.res_values[..., g:, :]
+
+    def _pop_residual(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove and return the oldest ``n`` residual tokens: keys, values [B, H, n, D]."""
+        popped = _head(self.res_keys, self.res_values, n)
+        self.res_keys, self.res_values = self.res_keys[..., n:, :], self.res_values[..., n:, :]
+        return popped
 
     def _map_batch(self, fn) -> None:
         if not self.is_initialized:
@@ -253,6 +258,10 @@ class KVMixLayer(CacheLayerMixin):
         self.res_keys, self.res_values = fn(self.res_keys), fn(self.res_values)
         self.blocks = map_tensors(self.blocks, fn)
         self.selection = map_tensors(self.selection, fn)
+
+
+def _head(keys: torch.Tensor, values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return keys[..., :n, :], values[..., :n, :]
 
 
 def _valid_positions(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
@@ -285,7 +294,7 @@ class KVMixCache(Cache):
         layers = [
             KVMixLayer(self.method, i) if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
-            for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs))
+            for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
         other = sorted({k for k in layer_types if k not in QUANTIZED_LAYER_TYPES})
         if other:

@@ -6,6 +6,7 @@ import argparse
 import sys
 from dataclasses import fields
 
+from kvmix.bench import BenchConfig, run_bench
 from kvmix.compare import CompareConfig, run_compare
 from kvmix.methods import method_classes, parameters, presets, split_methods
 
@@ -25,33 +26,50 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     compare = sub.add_parser("compare", help="memory, perplexity, token KL and time per method")
     defaults = CompareConfig()
-    compare.add_argument("--model", default=defaults.model,
-                         help="'smollm2' (offline default), a transformers id/folder or a .gguf")
-    compare.add_argument("--data", default=defaults.data, help="'prose', 'code' or a text file")
-    compare.add_argument("--methods", default=",".join(defaults.methods),
-                         help="comma-separated methods with overrides, e.g. "
-                              "full,kivi2,kxvy:key_bits=4,value_bits=2")
+    _common(compare, defaults)
     compare.add_argument("--context", type=int, default=defaults.context,
                          help="prompt tokens prefilled before scoring")
     compare.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens,
                          help="tokens scored by decoding over the cache")
     compare.add_argument("--chunk", type=int, default=defaults.chunk,
                          help="tokens per teacher-forced decode step (1 = exact decode)")
-    compare.add_argument("--dtype", default=defaults.dtype,
-                         help="auto (float32 on CPU), float32, float16, bfloat16")
-    compare.add_argument("--device", default=defaults.device)
-    compare.add_argument("--out", default=None, help="folder for results.json")
     compare.set_defaults(run=_compare)
+    bench = sub.add_parser("bench", help="decode tokens/s of each method after a prompt")
+    _common(bench, BenchConfig())
+    bench.add_argument("--prompt", type=int, default=BenchConfig.prompt, help="prompt tokens")
+    bench.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
+                       help="timed greedy decode steps")
+    bench.set_defaults(run=_bench)
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser
 
 
-def _compare(args: argparse.Namespace) -> None:
-    names = {f.name for f in fields(CompareConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
+def _common(parser: argparse.ArgumentParser, defaults) -> None:
+    parser.add_argument("--model", default=defaults.model,
+                        help="'smollm2' (offline default), a transformers id/folder or a .gguf")
+    parser.add_argument("--data", default=defaults.data, help="'prose', 'code' or a text file")
+    parser.add_argument("--methods", default=",".join(defaults.methods),
+                        help="comma-separated methods with overrides, e.g. "
+                             "full,kivi2,kxvy:key_bits=4,value_bits=2")
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="auto (float32 on CPU), float32, float16, bfloat16")
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--out", default=None, help="folder for results.json")
+
+
+def _config(cls, args: argparse.Namespace):
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     values["methods"] = split_methods(args.methods)
-    run_compare(CompareConfig(**values))
+    return cls(**values)
+
+
+def _compare(args: argparse.Namespace) -> None:
+    run_compare(_config(CompareConfig, args))
+
+
+def _bench(args: argparse.Namespace) -> None:
+    run_bench(_config(BenchConfig, args))
 
 
 def _methods(args: argparse.Namespace) -> None:

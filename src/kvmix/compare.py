@@ -10,7 +10,7 @@ from rich.progress import Progress
 from kvmix.data import load_text, token_ids
 from kvmix.evaluate import Scored, check_lengths, score, token_kl
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model
+from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model, model_info
 from kvmix.report import console, print_table, write_results
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
@@ -43,11 +43,11 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     scored = _score_all(loaded, ids, ["full", *config.methods], config)
     layers = loaded.model.config.get_text_config(decoder=True).num_hidden_layers
     rows = [_row(text, method, scored[text], scored["full"], loaded.dtype, layers)
-            for text, method in zip(config.methods, methods)]
+            for text, method in zip(config.methods, methods, strict=True)]
     print_table(f"kvmix compare · {loaded.name} · {config.data} · context {config.context} "
                 f"+ {config.eval_tokens} tokens", rows, COLUMNS)
     if config.out:
-        path = write_results(config.out, "compare", config, rows, model=_model_info(loaded),
+        path = write_results(config.out, "compare", config, rows, model=model_info(loaded),
                              data={"name": config.data, "tokens": ids.shape[1]})
         console.print(f"wrote {path}")
     return rows
@@ -91,10 +91,3 @@ def mean_bits(method, layers: int, dtype: torch.dtype) -> tuple[float, float]:
     """Key and value bits per element of a block, averaged over layers (per-layer lists)."""
     bits = [method.bits(layer, dtype) for layer in range(layers)]
     return sum(k for k, _ in bits) / layers, sum(v for _, v in bits) / layers
-
-
-def _model_info(loaded: LoadedModel) -> dict:
-    config = loaded.model.config
-    return {"name": loaded.name, "source": loaded.source, "dtype": str(loaded.dtype),
-            "model_type": config.model_type, "layers": config.num_hidden_layers,
-            "parameters": sum(p.numel() for p in loaded.model.parameters())}

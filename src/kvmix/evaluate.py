@@ -9,8 +9,8 @@ of a method with those of the ``full`` cache.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

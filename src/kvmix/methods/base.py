@@ -1,7 +1,8 @@
 """The contract every method follows, and the model facts a method may check against.
 
 A method turns one block of ``group`` tokens of keys and values into stored state (``encode``),
-turns stored blocks back into keys and values (``decode``, on blocks stacked along dimension 1), declares its theoretical bits per element (``bits``), and may pick channels once
+turns stored blocks back into keys and values (``decode``, on blocks stacked along dimension 1),
+declares its theoretical bits per element (``bits``), and may pick channels once
 at prefill (``select``). It never sees the cache, the model or transformers.
 """
 
@@ -59,10 +60,9 @@ class Method:
         positive(self.residual, "residual")
         positive(self.group, "group")
         if self.residual % self.group:
-            raise ValueError(
-                f"group={self.group} must divide residual={self.residual} "
-                f"(valid groups: {[g for g in range(1, self.residual + 1) if self.residual % g == 0]})"
-            )
+            divisors = [g for g in range(1, self.residual + 1) if self.residual % g == 0]
+            raise ValueError(f"group={self.group} must divide residual={self.residual} "
+                             f"(valid groups: {divisors})")
 
     def bind(self, spec: ModelSpec) -> None:
         """Check the parameters against a model; raise ValueError naming the parameter."""

@@ -1,0 +1,85 @@
+"""``kvmix bench``: decode speed of each method, measured side by side in one run.
+
+Prefill a prompt, then time greedy single-token decode steps over each method's cache.
+Timings are wall-clock on this machine; they belong here, never in pass/fail tests.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from rich.progress import Progress
+
+from kvmix.attention import make_cache
+from kvmix.data import load_text, token_ids
+from kvmix.methods import parse_method
+from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model, model_info
+from kvmix.report import console, print_table, write_results
+
+COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
+           "tokens_per_s": "tokens/s", "ms_per_token": "ms/token", "nbytes": "cache bytes"}
+
+
+@dataclass
+class BenchConfig:
+    model: str = DEFAULT_MODEL
+    data: str = "prose"
+    methods: list[str] = field(default_factory=lambda: ["full", "kivi2"])
+    prompt: int = 1024
+    new_tokens: int = 64
+    warmup: int = 4
+    dtype: str = "auto"
+    device: str = "cpu"
+    out: str | None = None
+
+
+def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[dict]:
+    for name in ("prompt", "new_tokens"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= 1")
+    for method in config.methods:
+        parse_method(method)
+    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    text = load_text(config.data)
+    ids = token_ids(loaded.tokenizer, text, config.prompt, f"data={config.data!r}")
+    rows = []
+    with Progress(console=console, transient=True) as bar:
+        for method in config.methods:
+            task = bar.add_task(method, total=config.warmup + config.new_tokens)
+            tick = partial(bar.advance, task)
+            rows.append(_decode_speed(loaded, ids, method, config, tick))
+    print_table(f"kvmix bench · {loaded.name} · {config.device} · prompt {config.prompt}",
+                rows, COLUMNS)
+    if config.out:
+        path = write_results(config.out, "bench", config, rows, model=model_info(loaded),
+                             device=str(loaded.model.device))
+        console.print(f"wrote {path}")
+    return rows
+
+
+@torch.no_grad()
+def _decode_speed(loaded: LoadedModel, ids: torch.Tensor, method: str, config: BenchConfig,
+                  tick) -> dict:
+    model = loaded.model
+    cache = make_cache(model, method)
+    logits = model(ids.to(model.device), cache=cache, use_cache=True).logits
+    token = logits[:, -1:].argmax(-1)  # [1, 1]
+    for step in range(config.warmup + config.new_tokens):
+        if step == config.warmup:
+            _sync(model.device)
+            start = time.perf_counter()
+        token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        tick()
+    _sync(model.device)
+    seconds = time.perf_counter() - start
+    return {"method": method, "prompt": config.prompt, "new_tokens": config.new_tokens,
+            "tokens_per_s": config.new_tokens / seconds,
+            "ms_per_token": 1000 * seconds / config.new_tokens, "nbytes": cache.nbytes()}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
