@@ -55,6 +55,14 @@ def quantize(
     ``valid`` (broadcastable to x, bool) marks the elements that may enter the statistics;
     padding positions are excluded. A group with no valid element gets scale 0 and minimum 0.
     """
+    codes, scale, minimum = quantize_codes(x, bits, dim, valid, center)
+    return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits, center)
+
+
+def quantize_codes(
+    x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None, center: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unpacked codes (uint8, shaped like x) and the float16 scale and minimum (keepdim)."""
     check_bits(bits)
     lo, hi = _group_range(x, dim, valid)
     levels = 2**bits if center else 2**bits - 1
@@ -63,17 +71,31 @@ def quantize(
     constant = hi == lo
     minimum = torch.where(constant, lo.to(STAT_DTYPE), _round16(lo, down=True))
     scale = _round16((hi - minimum.to(x.dtype)) / levels, down=False).masked_fill(constant, 0)
-    codes = _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center)
-    return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits, center)
+    return _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center), scale, minimum
+
+
+def reconstruct(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                offset: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x̂ = minimum + scale · (code + offset); offset ½ is bin-center reconstruction."""
+    return minimum.to(dtype) + scale.to(dtype) * (codes.to(dtype) + offset)
 
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """QuantizedTensor -> x̂: [*rows, *q.shape] in ``dtype``; rows are the leading dimensions of
     ``codes`` ([B], or [B, n_blocks] for stacked blocks)."""
     rows = q.codes.shape[:-1]
-    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape).to(dtype)
-    offset = 0.5 if q.center else 0.0
-    return q.minimum.to(dtype) + q.scale.to(dtype) * (codes + offset)
+    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape)
+    return reconstruct(codes, q.scale, q.minimum, 0.5 if q.center else 0.0, dtype)
+
+
+def quantize_per_token(values: torch.Tensor, bits: int, group: int) -> QuantizedTensor:
+    """values: [B, H, T, D] -> one (scale, minimum) per token per ``group`` channels."""
+    return quantize(values.unflatten(-1, (-1, group)), bits, dim=-1)  # [B, H, T, D/group, group]
+
+
+def dequantize_per_token(q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
+    """-> values: [*rows, H, T, D]."""
+    return dequantize(q, dtype).flatten(-2)
 
 
 def _group_range(

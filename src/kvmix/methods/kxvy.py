@@ -16,7 +16,13 @@ import torch
 from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, positive
 from kvmix.packing import WIDTHS, check_bits
-from kvmix.quantizers import QuantizedTensor, dequantize, quantize
+from kvmix.quantizers import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_per_token,
+    quantize,
+    quantize_per_token,
+)
 
 Bits = int | tuple[int, ...]
 STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
@@ -74,14 +80,13 @@ class KxVy(Method):
         # keys, values: [B, H, G, D]; valid: [B, G] -> per-channel keys, per-token values
         key_valid = None if valid is None else valid[:, None, :, None]
         k = quantize(keys, per_layer(self.key_bits, layer), dim=-2, valid=key_valid)
-        grouped = values.unflatten(-1, (-1, self.value_group))  # [B, H, G, D/Gv, Gv]
-        v = quantize(grouped, per_layer(self.value_bits, layer), dim=-1)
+        v = quantize_per_token(values, per_layer(self.value_bits, layer), self.value_group)
         return k, v
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
-        values = dequantize(blocks.values, dtype).flatten(-2)  # [B, n, H, G, D]
+        values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         return keys, values
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
