@@ -16,13 +16,14 @@ from kvmix.tree import map_tensors
 
 SINK, RESIDUAL, GROUP = 4, 16, 8
 B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
-METHODS = method_names()
+METHODS = [*method_names(), "pnmix:selection=online", "pnmix:criterion=key_range"]
+PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)  # Llama's rotate_half
 
 
 def make(name: str, **layout) -> KVMixCache:
     layout = {"sink": SINK, "residual": RESIDUAL, "group": GROUP, **layout}
     spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in layout.items())
-    return KVMixCache(parse_method(spec), LlamaConfig(**TINY))
+    return KVMixCache(parse_method(spec), LlamaConfig(**TINY), PAIRS)
 
 
 def feed(cache: KVMixCache, tokens: int, seed: int = 0, dtype=torch.float16) -> None:

@@ -17,6 +17,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvmix.cache import KVMixCache, take_pending
 from kvmix.methods import Method
+from kvmix.rope import rope_pairs
 
 NAME = "kvmix"
 
@@ -57,6 +58,6 @@ def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
     Sets the model's attention implementation to ``kvmix`` (SDPA plus the cache commit; for any
     other cache it behaves exactly as SDPA).
     """
-    cache = KVMixCache(method, model.config)
+    cache = KVMixCache(method, model.config, rope_pairs(model))
     use_kvmix_attention(model)
     return cache

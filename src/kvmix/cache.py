@@ -45,7 +45,7 @@ def take_pending() -> KVMixLayer | None:
     return layer
 
 
-def model_spec(config: Any) -> ModelSpec:
+def model_spec(config: Any, pairs: torch.Tensor | None = None) -> ModelSpec:
     """The attention layout of a transformers config; a clear error when it is not there."""
     config = config.get_text_config(decoder=True)
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if not hasattr(config, a)]
@@ -60,7 +60,7 @@ def model_spec(config: Any) -> ModelSpec:
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim)
+    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim, pairs)
 
 
 class KVMixLayer(CacheLayerMixin):
@@ -178,6 +178,10 @@ class KVMixLayer(CacheLayerMixin):
             keys = torch.cat([self.sink_keys, self.res_keys], dim=-2)
             self.selection = self.method.select(queries, keys, valid, self.layer_idx)
             self.prefilled = True
+        else:
+            new_keys = self.res_keys[..., -queries.shape[-2]:, :]
+            self.selection = self.method.observe(self.selection, queries, new_keys, valid,
+                                                 self.layer_idx)
         self._fill_sink()
         while self.res_keys.shape[-2] >= self.method.residual:
             self._flush(valid)
@@ -285,9 +289,9 @@ def _check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
 class KVMixCache(Cache):
     """A transformers Cache whose full-attention layers are packed by one kvmix method."""
 
-    def __init__(self, method: Method | str, config: Any):
+    def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None):
         self.method = parse_method(method)
-        self.spec = model_spec(config)
+        self.spec = model_spec(config, pairs)
         self.method.bind(self.spec)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -323,6 +327,14 @@ class KVMixCache(Cache):
     def theoretical_nbytes(self) -> float:
         """Bytes the method's bit formula predicts for the tokens held (packed layers only)."""
         return sum(layer.theoretical_nbytes(self.spec) for layer in self.packed_layers)
+
+    def bits(self) -> tuple[float, float]:
+        """Key and value bits per element of a stored block, averaged over packed layers."""
+        bits = [self.method.bits(layer.layer_idx, layer.dtype) for layer in self.packed_layers
+                if layer.is_initialized]
+        if not bits:
+            return 0.0, 0.0
+        return sum(k for k, _ in bits) / len(bits), sum(v for _, v in bits) / len(bits)
 
     def fp16_nbytes(self) -> int:
         """Bytes the same tokens would take as 16-bit keys and values (the papers' baseline)."""

@@ -41,8 +41,7 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     ids = token_ids(loaded.tokenizer, load_text(config.data),
                     config.context + config.eval_tokens + 1, f"data={config.data!r}")
     scored = _score_all(loaded, ids, ["full", *config.methods], config)
-    layers = loaded.model.config.get_text_config(decoder=True).num_hidden_layers
-    rows = [_row(text, method, scored[text], scored["full"], loaded.dtype, layers)
+    rows = [_row(text, method, scored[text], scored["full"], loaded.dtype)
             for text, method in zip(config.methods, methods, strict=True)]
     print_table(f"kvmix compare · {loaded.name} · {config.data} · context {config.context} "
                 f"+ {config.eval_tokens} tokens", rows, COLUMNS)
@@ -65,9 +64,8 @@ def _score_all(loaded: LoadedModel, ids: torch.Tensor, methods: list[str],
     return results
 
 
-def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype,
-         layers: int) -> dict:
-    key_bits, value_bits = mean_bits(method, layers, dtype)
+def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) -> dict:
+    key_bits, value_bits = scored.bits
     return {
         "method": text,
         "resolved": repr(method),
@@ -85,9 +83,3 @@ def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype,
         "token_kl": token_kl(full.logprobs, scored.logprobs),
         "seconds": scored.seconds,
     }
-
-
-def mean_bits(method, layers: int, dtype: torch.dtype) -> tuple[float, float]:
-    """Key and value bits per element of a block, averaged over layers (per-layer lists)."""
-    bits = [method.bits(layer, dtype) for layer in range(layers)]
-    return sum(k for k, _ in bits) / layers, sum(v for _, v in bits) / layers

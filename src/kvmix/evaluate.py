@@ -30,6 +30,7 @@ class Scored:
     nbytes_breakdown: dict[str, int] = field(default_factory=dict)
     theoretical_nbytes: float = 0.0
     nbytes_fp16: int = 0
+    bits: tuple[float, float] = (0.0, 0.0)  # key, value bits per stored element
 
     @property
     def nll(self) -> float:
@@ -73,7 +74,8 @@ def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: i
 def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
             seconds: float) -> Scored:
     return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.nbytes(),
-                  cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes())
+                  cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes(),
+                  cache.bits())
 
 
 def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

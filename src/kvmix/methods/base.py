@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ModelSpec:
     """What a method needs to know about the model it is bound to."""
 
@@ -22,6 +22,7 @@ class ModelSpec:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    pairs: torch.Tensor | None = None  # [D/2, 2] RoPE channel pairs read from the model
 
 
 @dataclass
@@ -71,6 +72,11 @@ class Method:
                layer: int) -> Any:
         """Prefill-time channel selection; queries: [B, Hq, T, D], keys: [B, Hkv, T, D]."""
         return None
+
+    def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
+                valid: torch.Tensor | None, layer: int) -> Any:
+        """After each later attention call: the new tokens' queries and keys ([B, H, q, D])."""
+        return selection
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
                layer: int, selection: Any) -> tuple[Any, Any]:

@@ -1,0 +1,272 @@
+"""``pnmix``: PN-Mix, pair-norm guided mixed-precision keys (SPEC §4.1; seeds/000).
+
+Quantizing a key pair perturbs the logit ``q·k = Σ_p ‖q_p‖‖k_p‖ cos φ_p`` in proportion to
+``‖q_p‖·‖k_p‖``, so at prefill, once, PN-Mix scores every RoPE pair of every (sequence, layer,
+KV head) by ``mean over the group's query heads of E_t‖q_p‖ · E_t‖k_p‖`` (padding excluded) and
+keeps the top ``ratio`` of pairs as a bit mask of B·L·H_kv·D/2 bits for the whole generation.
+
+Keys, per channel over groups of ``group`` tokens: both channels of a selected pair at
+``high_bits`` (min-max), the rest at ``low_bits`` (bin-center when ``one_bit_correction`` and
+``low_bits`` is 1). Stored as uniform planes: a ``low_bits`` plane for every channel (for a high
+channel, the top bits of its code, which for 3/1 bits *is* its 1-bit code) plus a
+``high_bits - low_bits`` plane for the high channels only, and one float16 scale and minimum per
+channel. Values: per token at ``value_bits`` over ``value_group`` channels.
+
+Key bits per element: ``low_bits + (high channels / D)·(high_bits - low_bits) + 32/group``
+(3/1 bits: ``ratio·3 + (1-ratio)·1 + 32/group``), plus the mask, D/2 bits per head and layer.
+
+Parameters: ``criterion`` — ``qk_pair_norm`` (the paper's), ``key_pair_norm``, or the
+channel criteria ``key_range`` and ``key_magnitude`` (same number of high channels);
+``selection`` — ``prefill`` (the paper's) or ``online``: re-select for every block from query and
+key pair-norm sums accumulated while decoding, storing each block's high-channel indices.
+Presets: ``pnmix1`` (ratio 0.5, group 128, ≈2.26 key bits), ``pnmix2`` (ratio 0.4, group 64).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvmix.importance import (
+    CRITERIA,
+    PAIR_CRITERIA,
+    group_mean,
+    masked_mean,
+    pair_norms,
+    pair_to_channels,
+    scores,
+    top_mask,
+)
+from kvmix.methods import register
+from kvmix.methods.base import Blocks, Method, ModelSpec, positive
+from kvmix.methods.kxvy import STAT_BITS
+from kvmix.packing import check_bits, pack, unpack
+from kvmix.quantizers import (
+    dequantize_per_token,
+    quantize_codes,
+    quantize_per_token,
+    reconstruct,
+)
+
+SELECTIONS = ("prefill", "online")
+INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)
+
+
+@dataclass
+class MixedKeys:
+    """One block of PN-Mix keys (rows: [B] or [B, n_blocks])."""
+
+    low: torch.Tensor = field(metadata={"kind": "codes"})  # low_bits plane, all channels
+    high: torch.Tensor = field(metadata={"kind": "codes"})  # refinement plane, high channels
+    scale: torch.Tensor = field(metadata={"kind": "scales"})  # [*rows, H, 1, D] float16
+    minimum: torch.Tensor = field(metadata={"kind": "zeros"})  # [*rows, H, 1, D] float16
+    # online selection only: each block's high channels, [*rows, H, k] uint8
+    index: torch.Tensor | None = field(default=None, metadata={"kind": "masks"})
+
+
+@dataclass
+class PairMask:
+    """The prefill selection: one bit per (KV head, pair or channel), packed: [B, bytes]."""
+
+    bits: torch.Tensor = field(metadata={"kind": "masks"})
+    units: int  # pairs (pair criteria) or channels (channel criteria) per head
+
+
+@dataclass
+class RunningNorms:
+    """Online selection: query and key pair-norm sums so far, [B, Hkv, P] float32, and counts."""
+
+    query_sum: torch.Tensor = field(metadata={"kind": "masks"})
+    key_sum: torch.Tensor = field(metadata={"kind": "masks"})
+    query_count: torch.Tensor = field(metadata={"kind": "masks"})  # [B]
+    key_count: torch.Tensor = field(metadata={"kind": "masks"})  # [B]
+
+
+@register
+@dataclass
+class PNMix(Method):
+    """PN-Mix: pair-norm guided 3/1-bit keys chosen at prefill; per-token values."""
+
+    name: ClassVar[str] = "pnmix"
+    summary: ClassVar[str] = "PN-Mix: 3/1-bit keys per RoPE pair by q·k pair-norm importance"
+    presets: ClassVar[dict] = {"pnmix1": {"ratio": 0.5, "group": 128},
+                               "pnmix2": {"ratio": 0.4, "group": 64}}
+
+    ratio: float = 0.5
+    group: int = 128
+    high_bits: int = 3
+    low_bits: int = 1
+    one_bit_correction: bool = True
+    sink: int = 32
+    residual: int = 128
+    value_bits: int = 2
+    value_group: int = 32
+    criterion: str = "qk_pair_norm"
+    selection: str = "prefill"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.ratio, (int, float)) or not 0 <= self.ratio <= 1:
+            raise ValueError(f"ratio={self.ratio!r} is invalid; expected a number in [0, 1]")
+        check_bits(self.high_bits, "high_bits", (2, 3, 4, 8))
+        check_bits(self.low_bits, "low_bits", (1, 2, 3, 4))
+        check_bits(self.value_bits, "value_bits")
+        if self.high_bits <= self.low_bits:
+            raise ValueError(f"high_bits={self.high_bits} must be greater than "
+                             f"low_bits={self.low_bits}")
+        check_bits(self.high_bits - self.low_bits, "high_bits - low_bits")
+        positive(self.value_group, "value_group")
+        _choice(self.criterion, "criterion", CRITERIA)
+        _choice(self.selection, "selection", SELECTIONS)
+        if self.selection == "online" and self.criterion not in PAIR_CRITERIA:
+            raise ValueError(f"selection='online' needs a pair criterion; criterion="
+                             f"{self.criterion!r} is not one of {list(PAIR_CRITERIA)}")
+
+    # -- binding and bits -------------------------------------------------------------------
+
+    def bind(self, spec: ModelSpec) -> None:
+        if spec.head_dim % 2:
+            raise ValueError(f"pnmix needs an even head dim; the model's is {spec.head_dim}")
+        if spec.pairs is None or spec.pairs.numel() != spec.head_dim:
+            raise ValueError("pnmix needs the model's RoPE channel pairs, and this model's RoPE "
+                             "layout could not be determined (no rotary embedding found, or it "
+                             "does not rotate every channel)")
+        if spec.head_dim % self.value_group:
+            raise ValueError(f"value_group={self.value_group} must divide the head dim "
+                             f"{spec.head_dim}")
+        self.spec = spec
+
+    @property
+    def center(self) -> bool:
+        return self.one_bit_correction and self.low_bits == 1
+
+    def high_channels(self, head_dim: int) -> int:
+        """Channels kept at high_bits per head: both channels of round(ratio·D/2) pairs."""
+        return 2 * round(self.ratio * head_dim / 2)
+
+    def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
+        dim = self.spec.head_dim
+        high = self.high_channels(dim)
+        key = self.low_bits + high / dim * (self.high_bits - self.low_bits) + STAT_BITS / self.group
+        if self.selection == "online":
+            key += high * INDEX_BITS / (dim * self.group)
+        return key, self.value_bits + STAT_BITS / self.value_group
+
+    def selection_bits(self, spec: ModelSpec) -> int:
+        if self.selection == "online":  # two float32 sums per (head, pair) and two counts
+            return 2 * 32 * spec.n_kv_heads * spec.head_dim // 2 + 2 * 32
+        units = spec.head_dim // 2 if self.criterion in PAIR_CRITERIA else spec.head_dim
+        return spec.n_kv_heads * units
+
+    def describe(self) -> str:
+        return ("key bits = low_bits + high share·(high_bits - low_bits) + 32/group "
+                "(3/1: ratio·3 + (1-ratio)·1 + 32/group) + D/2 mask bits per head; "
+                "value bits = value_bits + 32/value_group")
+
+    # -- selection ---------------------------------------------------------------------------
+
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None,
+               layer: int) -> PairMask | RunningNorms:
+        if self.selection == "online":
+            return self.observe(None, queries, keys, valid, layer)
+        score = scores(self.criterion, queries, keys, valid, self.spec.pairs)  # [B, H, units]
+        units = score.shape[-1]
+        count = self.high_channels(self.spec.head_dim)
+        chosen = top_mask(score, count // 2 if units < self.spec.head_dim else count)
+        return PairMask(pack(chosen, 1), units)
+
+    def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
+                valid: torch.Tensor | None, layer: int) -> Any:
+        if self.selection != "online":
+            return selection
+        pairs, heads = self.spec.pairs, keys.shape[1]
+        q_valid = None if valid is None else valid[:, -queries.shape[-2]:]
+        k_valid = None if valid is None else valid[:, -keys.shape[-2]:]
+        q_count, k_count = _count(q_valid, queries), _count(k_valid, keys)
+        q = group_mean(masked_mean(pair_norms(queries.float(), pairs), q_valid), heads)
+        k = masked_mean(pair_norms(keys.float(), pairs), k_valid)
+        update = RunningNorms(q * q_count[:, None, None], k * k_count[:, None, None],
+                              q_count, k_count)
+        if selection is None:
+            return update
+        return RunningNorms(*(getattr(selection, f) + getattr(update, f)
+                              for f in ("query_sum", "key_sum", "query_count", "key_count")))
+
+    def high_index(self, selection: PairMask | RunningNorms, batch: int) -> torch.Tensor:
+        """[B, H, k] sorted channel indices kept at high_bits."""
+        heads, dim = self.spec.n_kv_heads, self.spec.head_dim
+        if isinstance(selection, RunningNorms):
+            score = selection.key_sum / selection.key_count.clamp_min(1)[:, None, None]
+            if self.criterion == "qk_pair_norm":
+                queries = selection.query_sum / selection.query_count.clamp_min(1)[:, None, None]
+                score = score * queries
+            chosen = top_mask(score, self.high_channels(dim) // 2)
+            chosen = pair_to_channels(chosen, self.spec.pairs)
+        else:
+            chosen = unpack(selection.bits, 1, heads * selection.units).view(batch, heads, -1)
+            if selection.units < dim:
+                chosen = pair_to_channels(chosen.bool(), self.spec.pairs)
+        return chosen.bool().nonzero()[:, -1].view(batch, heads, self.high_channels(dim))
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+               layer: int, selection: Any) -> tuple[MixedKeys, Any]:
+        # keys, values: [B, H, G, D]; valid: [B, G]
+        index = self.high_index(selection, keys.shape[0])  # [B, H, k]
+        key_valid = None if valid is None else valid[:, None, :, None]
+        high_codes, high_scale, minimum = quantize_codes(keys, self.high_bits, -2, key_valid)
+        low_codes, low_scale, _ = quantize_codes(keys, self.low_bits, -2, key_valid, self.center)
+        high = _channel_mask(index, keys.shape[-1])  # [B, H, 1, D]
+        shift = self.high_bits - self.low_bits
+        low_plane = torch.where(high, high_codes >> shift, low_codes)
+        refine = (high_codes & (2**shift - 1)).gather(-1, _expand(index, keys.shape[-2]))
+        stored = MixedKeys(pack(low_plane, self.low_bits), pack(refine, shift),
+                           torch.where(high, high_scale, low_scale), minimum,
+                           index.to(torch.uint8) if self.selection == "online" else None)
+        return stored, quantize_per_token(values, self.value_bits, self.value_group)
+
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        k = blocks.keys
+        rows = k.low.shape[:-1]  # [B, n]
+        heads, dim, group = self.spec.n_kv_heads, self.spec.head_dim, self.group
+        if k.index is not None:
+            index = k.index.long()  # [B, n, H, k]
+        else:
+            index = self.high_index(selection, rows[0])[:, None]  # [B, 1, H, k]
+        count = index.shape[-1]
+        shift = self.high_bits - self.low_bits
+        codes = unpack(k.low, self.low_bits, heads * group * dim).view(*rows, heads, group, dim)
+        refine = unpack(k.high, shift, heads * group * count).view(*rows, heads, group, count)
+        where = _expand(index, group).expand(*rows, heads, group, count)
+        codes = codes.long()
+        codes = codes.scatter(-1, where, (codes.gather(-1, where) << shift) | refine.long())
+        high = _channel_mask(index, dim)  # [B, n|1, H, 1, D]
+        offset = (~high).to(dtype) * 0.5 if self.center else 0.0
+        keys = reconstruct(codes, k.scale, k.minimum, offset, dtype)
+        return keys, dequantize_per_token(blocks.values, dtype)
+
+
+def _choice(value: Any, name: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid; valid: {', '.join(valid)}")
+
+
+def _count(valid: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if valid is None:
+        return torch.full((x.shape[0],), float(x.shape[-2]), device=x.device)
+    return valid.sum(-1).float()
+
+
+def _channel_mask(index: torch.Tensor, dim: int) -> torch.Tensor:
+    """[..., H, k] indices -> [..., H, 1, D] bool."""
+    mask = torch.zeros(*index.shape[:-1], dim, dtype=torch.bool, device=index.device)
+    return mask.scatter(-1, index, True).unsqueeze(-2)
+
+
+def _expand(index: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[..., H, k] -> [..., H, tokens, k] for gathering along channels."""
+    return index.unsqueeze(-2).expand(*index.shape[:-1], tokens, index.shape[-1])
