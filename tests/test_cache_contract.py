@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from kvmix.cache import KVMixCache, take_pending
 from kvmix.methods import method_names, parse_method
-from kvmix.tree import map_tensors
+from kvmix.tree import map_tensors, tensor_bytes
 
 SINK, RESIDUAL, GROUP = 4, 16, 8
 B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
@@ -22,7 +22,7 @@ PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)  # Llama
 
 def make(name: str, **layout) -> KVMixCache:
     layout = {"sink": SINK, "residual": RESIDUAL, "group": GROUP, **layout}
-    spec = f"{name}:" + ",".join(f"{k}={v}" for k, v in layout.items())
+    spec = name + ("," if ":" in name else ":") + ",".join(f"{k}={v}" for k, v in layout.items())
     return KVMixCache(parse_method(spec), LlamaConfig(**TINY), PAIRS)
 
 
@@ -154,7 +154,8 @@ def test_bytes_shrink_and_something_is_really_quantized(name):
     kinds = cache.nbytes_breakdown()
     assert kinds.get("codes", 0) > 0 and "full" not in kinds
     codes = [t for t in _tensors(layer.blocks) if t.dtype == torch.uint8]
-    assert codes and sum(t.numel() for t in codes) == kinds["codes"]
+    indices = tensor_bytes(layer.blocks, "full").get("masks", 0)  # online per-block indices
+    assert codes and sum(t.numel() for t in codes) == kinds["codes"] + indices
     g = torch.Generator().manual_seed(0)
     keys = torch.randn(B, H, 64, D, generator=g).half() * 3 + 1  # what feed() stored
     exact = keys[..., SINK : SINK + sum(layer.lengths), :].float()

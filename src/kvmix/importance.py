@@ -46,10 +46,11 @@ def scores(criterion: str, queries: torch.Tensor, keys: torch.Tensor,
     if criterion == "key_magnitude":
         return masked_mean(keys.abs(), key_valid)
     if criterion == "key_range":
-        inside = key_valid[:, None, :, None] if key_valid is not None else True
-        high = torch.where(inside, keys, -torch.inf).amax(-2)
-        low = torch.where(inside, keys, torch.inf).amin(-2)
-        return high - low
+        if key_valid is None:
+            return keys.amax(-2) - keys.amin(-2)
+        inside = key_valid[:, None, :, None]
+        return (torch.where(inside, keys, -torch.inf).amax(-2)
+                - torch.where(inside, keys, torch.inf).amin(-2))
     raise ValueError(f"criterion={criterion!r} is unknown; valid: {', '.join(CRITERIA)}")
 
 
