@@ -8,6 +8,8 @@ For layers kvmix does not manage, it is plain SDPA.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,6 +22,9 @@ from kvmix.methods import Method
 from kvmix.rope import rope_pairs
 
 NAME = "kvmix"
+# Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
+Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
+_OBSERVERS: list[Observer] = []
 
 
 def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -27,6 +32,8 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, q, D]; key, value: [B, Hkv, T, D]; attention_mask: [B, 1, q, T] bool or None
     layer = take_pending()
+    for observe in _OBSERVERS:
+        observe(module.layer_idx, query, key, value, kwargs.get("scaling") or module.scaling)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if layer is not None:
         layer.commit(query, attention_mask)
@@ -61,3 +68,15 @@ def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
     cache = KVMixCache(method, model.config, rope_pairs(model))
     use_kvmix_attention(model)
     return cache
+
+
+@contextmanager
+def observe_attention(model: Any, observer: Observer) -> Iterator[None]:
+    """Within the block, hand every attention call's post-RoPE query, keys and values to
+    ``observer`` (analysis only: criteria, pair scores, attention KL)."""
+    use_kvmix_attention(model)
+    _OBSERVERS.append(observer)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(observer)

@@ -14,10 +14,10 @@ import torch
 from rich.progress import Progress
 
 from kvmix.attention import make_cache
-from kvmix.data import load_text, token_ids
+from kvmix.jobs import finish, load_inputs
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model, model_info
-from kvmix.report import console, print_table, write_results
+from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.report import console
 
 COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
            "tokens_per_s": "tokens/s", "ms_per_token": "ms/token", "nbytes": "cache bytes"}
@@ -42,21 +42,15 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
             raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= 1")
     for method in config.methods:
         parse_method(method)
-    loaded = loaded or load_model(config.model, config.dtype, config.device)
-    text = load_text(config.data)
-    ids = token_ids(loaded.tokenizer, text, config.prompt, f"data={config.data!r}")
+    loaded, ids = load_inputs(config, config.prompt, loaded)
     rows = []
     with Progress(console=console, transient=True) as bar:
         for method in config.methods:
             task = bar.add_task(method, total=config.warmup + config.new_tokens)
             tick = partial(bar.advance, task)
             rows.append(_decode_speed(loaded, ids, method, config, tick))
-    print_table(f"kvmix bench · {loaded.name} · {config.device} · prompt {config.prompt}",
-                rows, COLUMNS)
-    if config.out:
-        path = write_results(config.out, "bench", config, rows, model=model_info(loaded),
-                             device=str(loaded.model.device))
-        console.print(f"wrote {path}")
+    finish("bench", config, loaded, rows, f"{config.device} · prompt {config.prompt}", COLUMNS,
+           device=str(loaded.model.device))
     return rows
 
 

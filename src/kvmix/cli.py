@@ -8,7 +8,9 @@ from dataclasses import fields
 
 from kvmix.bench import BenchConfig, run_bench
 from kvmix.compare import CompareConfig, run_compare
+from kvmix.criteria import CriteriaConfig, run_criteria
 from kvmix.methods import method_classes, parameters, presets, split_methods
+from kvmix.pairscore import PairscoreConfig, run_pairscore
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -27,12 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     compare = sub.add_parser("compare", help="memory, perplexity, token KL and time per method")
     defaults = CompareConfig()
     _common(compare, defaults)
-    compare.add_argument("--context", type=int, default=defaults.context,
-                         help="prompt tokens prefilled before scoring")
-    compare.add_argument("--eval-tokens", type=int, default=defaults.eval_tokens,
-                         help="tokens scored by decoding over the cache")
-    compare.add_argument("--chunk", type=int, default=defaults.chunk,
-                         help="tokens per teacher-forced decode step (1 = exact decode)")
+    _lengths(compare, CompareConfig)
     compare.set_defaults(run=_compare)
     bench = sub.add_parser("bench", help="decode tokens/s of each method after a prompt")
     _common(bench, BenchConfig())
@@ -40,28 +37,65 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
                        help="timed greedy decode steps")
     bench.set_defaults(run=_bench)
+    criteria = sub.add_parser("criteria", help="PN-Mix selection criteria at one bit budget")
+    _common(criteria, CriteriaConfig(), methods=False)
+    criteria.add_argument("--base", default=CriteriaConfig.base,
+                          help="PN-Mix method whose criterion is varied (e.g. pnmix1)")
+    criteria.add_argument("--criteria", default=",".join(CriteriaConfig().criteria),
+                          help="comma-separated criteria")
+    _lengths(criteria, CriteriaConfig)
+    criteria.add_argument("--queries", type=int, default=CriteriaConfig.queries,
+                          help="decode queries for attention KL")
+    criteria.set_defaults(run=_criteria)
+    pairscore = sub.add_parser("pairscore", help="separable vs causal PN-Mix pair score")
+    _common(pairscore, PairscoreConfig(), methods=False)
+    pairscore.add_argument("--context", type=int, default=PairscoreConfig.context)
+    pairscore.add_argument("--ratio", type=float, default=PairscoreConfig.ratio,
+                           help="share of pairs for the top-k overlap")
+    pairscore.set_defaults(run=_pairscore)
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser
 
 
-def _common(parser: argparse.ArgumentParser, defaults) -> None:
+def _common(parser: argparse.ArgumentParser, defaults, methods: bool = True) -> None:
     parser.add_argument("--model", default=defaults.model,
                         help="'smollm2' (offline default), a transformers id/folder or a .gguf")
     parser.add_argument("--data", default=defaults.data, help="'prose', 'code' or a text file")
-    parser.add_argument("--methods", default=",".join(defaults.methods),
-                        help="comma-separated methods with overrides, e.g. "
-                             "full,kivi2,kxvy:key_bits=4,value_bits=2")
+    if methods:
+        parser.add_argument("--methods", default=",".join(defaults.methods),
+                            help="comma-separated methods with overrides, e.g. "
+                                 "full,kivi2,kxvy:key_bits=4,value_bits=2")
     parser.add_argument("--dtype", default=defaults.dtype,
                         help="auto (float32 on CPU), float32, float16, bfloat16")
     parser.add_argument("--device", default=defaults.device)
     parser.add_argument("--out", default=None, help="folder for results.json")
 
 
+def _lengths(parser: argparse.ArgumentParser, cls) -> None:
+    parser.add_argument("--context", type=int, default=cls.context,
+                        help="prompt tokens prefilled before scoring")
+    parser.add_argument("--eval-tokens", type=int, default=cls.eval_tokens,
+                        help="tokens scored by decoding over the cache")
+    parser.add_argument("--chunk", type=int, default=cls.chunk,
+                        help="tokens per teacher-forced decode step (1 = exact decode)")
+
+
 def _config(cls, args: argparse.Namespace):
     values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-    values["methods"] = split_methods(args.methods)
+    if "methods" in values:
+        values["methods"] = split_methods(args.methods)
+    if "criteria" in values:
+        values["criteria"] = [c.strip() for c in args.criteria.split(",") if c.strip()]
     return cls(**values)
+
+
+def _criteria(args: argparse.Namespace) -> None:
+    run_criteria(_config(CriteriaConfig, args))
+
+
+def _pairscore(args: argparse.Namespace) -> None:
+    run_pairscore(_config(PairscoreConfig, args))
 
 
 def _compare(args: argparse.Namespace) -> None:

@@ -1,0 +1,92 @@
+"""Analyses over captured attention inputs: attention KL of a method's reconstructed keys
+(SPEC §6) and the agreement of PN-Mix's separable pair score with the causal one (SPEC §4.1).
+
+``capture`` runs the model at full precision over a context and the decode tokens after it, and
+keeps each layer's post-RoPE queries, keys and values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmix.attention import make_cache, observe_attention
+from kvmix.cache import KVMixCache, take_pending
+from kvmix.importance import causal_pair_score, scores, spearman, top_overlap
+from kvmix.methods import Method
+from kvmix.rope import rope_pairs
+
+
+@dataclass
+class Captured:
+    """Per layer: prefill queries [B, Hq, C, D], keys and values [B, H, C, D], the queries of
+    the decode tokens [B, Hq, N, D], and the attention scaling."""
+
+    queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    decode_queries: dict[int, torch.Tensor] = field(default_factory=dict)
+    scaling: dict[int, float] = field(default_factory=dict)
+
+
+@torch.no_grad()
+def capture(model, ids: torch.Tensor, context: int) -> Captured:
+    """Full-precision pass: prefill ids[:, :context], then ids[:, context:] as decode queries."""
+    captured = Captured()
+
+    def prefill(layer: int, query, key, value, scaling) -> None:
+        captured.queries[layer], captured.keys[layer] = query, key
+        captured.values[layer], captured.scaling[layer] = value, scaling
+
+    def decode(layer: int, query, key, value, scaling) -> None:
+        captured.decode_queries[layer] = query
+
+    cache = make_cache(model, "full")  # exact: reproduces DynamicCache
+    ids = ids.to(model.device)
+    with observe_attention(model, prefill):
+        model(ids[:, :context], cache=cache, use_cache=True)
+    if ids.shape[1] > context:
+        with observe_attention(model, decode):
+            model(ids[:, context:], cache=cache, use_cache=True)
+    return captured
+
+
+def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tensor:
+    """KL(softmax with exact keys ‖ softmax with the method's keys) for the decode queries over
+    the quantized context, per layer and query head, averaged over queries: [L, Hq]."""
+    cache = KVMixCache(method, model.config, rope_pairs(model))
+    rows = []
+    for layer in sorted(captured.keys):
+        keys = captured.keys[layer]
+        cache.update(keys, captured.values[layer], layer)
+        take_pending().commit(captured.queries[layer], None)
+        approx = cache.layers[layer].materialize()[0]  # [B, H, C, D]
+        query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]
+        exact = torch.log_softmax(_logits(query, keys.float(), scale), -1)  # [B, Hq, N, C]
+        quant = torch.log_softmax(_logits(query, approx.float(), scale), -1)
+        rows.append((exact.exp() * (exact - quant)).sum(-1).mean((0, 2)))  # [Hq]
+    return torch.stack(rows)
+
+
+def pair_score_agreement(model, captured: Captured, ratio: float) -> dict[str, torch.Tensor]:
+    """Spearman correlation and top-``ratio`` overlap between PN-Mix's separable pair score and
+    the causal score, per layer and KV head: each [L, Hkv]."""
+    pairs = rope_pairs(model)
+    if pairs is None:
+        raise ValueError("pairscore needs RoPE channel pairs; this model's RoPE layout could "
+                         "not be determined")
+    rho, overlap = [], []
+    for layer in sorted(captured.keys):
+        queries, keys = captured.queries[layer], captured.keys[layer]
+        separable = scores("qk_pair_norm", queries, keys, None, pairs)  # [B, H, P]
+        causal = causal_pair_score(queries, keys, pairs)
+        rho.append(spearman(separable, causal).mean(0))
+        overlap.append(top_overlap(separable, causal, ratio).mean(0))
+    return {"spearman": torch.stack(rho), "overlap": torch.stack(overlap)}
+
+
+def _logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    # query: [B, Hq, N, D]; keys: [B, H, C, D] -> [B, Hq, N, C]
+    keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+    return query @ keys.transpose(-1, -2) * scale

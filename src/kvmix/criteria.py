@@ -1,0 +1,72 @@
+"""``kvmix criteria``: PN-Mix's four selection criteria at the same bit budget (SPEC §4.1.7).
+
+For each criterion: attention KL of decode queries over the quantized context, per layer and
+averaged, plus token KL and perplexity through the cache; a PNG of attention KL per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvmix.analysis import attention_kl, capture
+from kvmix.evaluate import check_lengths, token_kl
+from kvmix.importance import CRITERIA
+from kvmix.jobs import finish, load_inputs, score_methods
+from kvmix.methods import parse_method
+from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.plots import line_plot
+
+COLUMNS = {"criterion": "criterion", "key_bits": "K bits", "attention_kl": "attention KL",
+           "token_kl": "token KL", "ppl": "ppl"}
+
+
+@dataclass
+class CriteriaConfig:
+    model: str = DEFAULT_MODEL
+    data: str = "prose"
+    base: str = "pnmix1"
+    criteria: list[str] = field(default_factory=lambda: list(CRITERIA))
+    context: int = 2048
+    eval_tokens: int = 256
+    queries: int = 64
+    chunk: int = 1
+    dtype: str = "auto"
+    device: str = "cpu"
+    out: str | None = None
+
+
+def run_criteria(config: CriteriaConfig, loaded: LoadedModel | None = None) -> list[dict]:
+    check_lengths(config.context, config.eval_tokens, config.chunk)
+    check_lengths(config.context, config.queries, 1)
+    methods = [f"{config.base},criterion={c}" if ":" in config.base
+               else f"{config.base}:criterion={c}" for c in config.criteria]
+    for method in methods:
+        parse_method(method)
+    loaded, ids = load_inputs(config, config.context + max(config.eval_tokens, config.queries) + 1,
+                              loaded)
+    captured = capture(loaded.model, ids[:, : config.context + config.queries], config.context)
+    scored = score_methods(loaded, ids[:, : config.context + config.eval_tokens + 1],
+                           ["full", *methods], config.context, config.chunk)
+    rows = []
+    for criterion, method in zip(config.criteria, methods, strict=True):
+        per_layer = attention_kl(loaded.model, captured, method).mean(-1)  # [L]
+        rows.append({"criterion": criterion, "method": method,
+                     "key_bits": scored[method].bits[0],
+                     "attention_kl": per_layer.mean().item(),
+                     "attention_kl_per_layer": per_layer.tolist(),
+                     "token_kl": token_kl(scored["full"].logprobs, scored[method].logprobs),
+                     "ppl": scored[method].ppl})
+    plot = _plot(config, rows)
+    finish("criteria", config, loaded, rows, f"{config.data} · context {config.context} · "
+           f"{config.base}", COLUMNS, plots=[str(plot)] if plot else [])
+    return rows
+
+
+def _plot(config: CriteriaConfig, rows: list[dict]) -> Path | None:
+    if not config.out:
+        return None
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    series = {r["criterion"]: r["attention_kl_per_layer"] for r in rows}
+    return line_plot(Path(config.out) / "attention_kl.png", series, "layer", "attention KL",
+                     f"{config.base}: attention KL per layer by criterion", log=True)

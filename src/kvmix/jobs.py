@@ -1,0 +1,47 @@
+"""Plumbing every command shares: load the model and tokens, score methods with a progress
+bar, print the table and save ``results.json`` with the configuration, model and data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from kvmix.data import load_text, token_ids
+from kvmix.evaluate import Scored, score
+from kvmix.models import LoadedModel, load_model, model_info
+from kvmix.report import console, print_table, write_results
+
+
+def load_inputs(config: Any, n_tokens: int,
+                loaded: LoadedModel | None = None) -> tuple[LoadedModel, torch.Tensor]:
+    """The model (unless given) and the first ``n_tokens`` tokens of ``config.data``: [1, n]."""
+    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    text = load_text(config.data)
+    return loaded, token_ids(loaded.tokenizer, text, n_tokens, f"data={config.data!r}")
+
+
+def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], context: int,
+                  chunk: int) -> dict[str, Scored]:
+    """Score each distinct method string once, in order, over the same tokens."""
+    results: dict[str, Scored] = {}
+    with Progress(console=console, transient=True) as bar:
+        for method in dict.fromkeys(methods):
+            task = bar.add_task(method, total=ids.shape[1] - context - 1)
+            results[method] = score(loaded.model, ids, method, context, chunk,
+                                    progress=lambda n, t=task: bar.advance(t, n))
+    return results
+
+
+def finish(command: str, config: Any, loaded: LoadedModel, rows: list[dict], title: str,
+           columns: dict[str, str], **extra: Any) -> Path | None:
+    """Print the table; with ``config.out`` write results.json and say where."""
+    print_table(f"kvmix {command} · {loaded.name} · {title}", rows, columns)
+    if not config.out:
+        return None
+    path = write_results(config.out, command, config, rows, model=model_info(loaded),
+                         data={"name": config.data}, **extra)
+    console.print(f"wrote {path}")
+    return path
