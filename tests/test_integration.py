@@ -87,3 +87,32 @@ def test_bench_measures_every_method(real_model, tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert rows[1]["nbytes"] < rows[0]["nbytes"] / 2
     assert json.loads((tmp_path / "results.json").read_text())["model"]["layers"] == 30
+
+
+def test_pnmix_on_the_real_model(real_model, prose_ids, full_scored):
+    pnmix = score(real_model.model, prose_ids, "pnmix1", CONTEXT, chunk=8)
+    kivi2 = score(real_model.model, prose_ids, "kivi2", CONTEXT, chunk=8)
+    assert pnmix.bits[0] == pytest.approx(2.25)
+    assert pnmix.nbytes == pnmix.theoretical_nbytes
+    assert pnmix.nbytes_breakdown["masks"] * 8 == 30 * 3 * 32  # B·L·H_kv·D/2 bits
+    assert token_kl(full_scored.logprobs, pnmix.logprobs) < token_kl(full_scored.logprobs,
+                                                                      kivi2.logprobs)
+
+
+def test_criteria_and_pairscore_write_tables_and_plots(real_model, tmp_path):
+    from kvmix.criteria import CriteriaConfig, run_criteria
+    from kvmix.pairscore import PairscoreConfig, run_pairscore
+
+    rows = run_criteria(CriteriaConfig(context=192, eval_tokens=16, queries=8, chunk=16,
+                                       out=str(tmp_path / "c")), loaded=real_model)
+    assert [r["criterion"] for r in rows] == ["qk_pair_norm", "key_pair_norm", "key_range",
+                                              "key_magnitude"]
+    assert all(len(r["attention_kl_per_layer"]) == 30 and r["attention_kl"] > 0 for r in rows)
+    assert len({round(r["key_bits"], 6) for r in rows}) == 1  # one bit budget
+    assert (tmp_path / "c" / "attention_kl.png").stat().st_size > 1000
+    result = run_pairscore(PairscoreConfig(context=128, out=str(tmp_path / "p")),
+                           loaded=real_model)
+    assert -1 <= result["summary"]["spearman_min"] <= result["summary"]["spearman_median"] <= 1
+    assert (tmp_path / "p" / "pairscore.png").is_file()
+    saved = json.loads((tmp_path / "p" / "results.json").read_text())
+    assert len(saved["rows"]) == 31 and saved["summary"]["ratio"] == 0.5

@@ -12,7 +12,7 @@ from kvmix.methods import parse_method
 from kvmix.models import DEFAULT_MODEL, LoadedModel
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
-                   "kxvy:key_bits=2,value_bits=4")
+                   "kxvy:key_bits=2,value_bits=4", "pnmix1")
 COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
            "nbytes": "cache bytes", "ratio_fp16": "/16-bit", "ppl": "ppl",
            "delta_ppl": "Δppl", "token_kl": "token KL", "seconds": "time s"}
