@@ -94,7 +94,7 @@ def _literal(raw: str) -> Any:
 
 
 # One line per method module: importing it registers it.
-from kvmix.methods import full, kivi, kxvy, pnmix  # noqa: E402,F401
+from kvmix.methods import chanmix, full, kitty, kivi, kxvy, pnmix, polar  # noqa: E402,F401
 
 __all__ = [
     "Blocks",

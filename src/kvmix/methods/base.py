@@ -39,6 +39,20 @@ def positive(value: Any, name: str, minimum: int = 1) -> None:
         raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {minimum}")
 
 
+def require_pairs(spec: ModelSpec, who: str) -> None:
+    if spec.head_dim % 2:
+        raise ValueError(f"{who} needs an even head dim; the model's is {spec.head_dim}")
+    if spec.pairs is None or spec.pairs.numel() != spec.head_dim:
+        raise ValueError(f"{who} needs the model's RoPE channel pairs, and this model's RoPE "
+                         "layout could not be determined (no rotary embedding found, or it "
+                         "does not rotate every channel)")
+
+
+def choice(value: Any, name: str, valid: tuple[str, ...]) -> None:
+    if value not in valid:
+        raise ValueError(f"{name}={value!r} is invalid; valid: {', '.join(valid)}")
+
+
 @dataclass
 class Method:
     """Cache layout parameters shared by every method (SPEC §2).

@@ -40,7 +40,7 @@ from kvmix.importance import (
     top_mask,
 )
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, positive
+from kvmix.methods.base import Blocks, Method, ModelSpec, choice, positive, require_pairs
 from kvmix.methods.kxvy import STAT_BITS
 from kvmix.packing import check_bits, pack, unpack
 from kvmix.quantizers import (
@@ -118,8 +118,8 @@ class PNMix(Method):
                              f"low_bits={self.low_bits}")
         check_bits(self.high_bits - self.low_bits, "high_bits - low_bits")
         positive(self.value_group, "value_group")
-        _choice(self.criterion, "criterion", CRITERIA)
-        _choice(self.selection, "selection", SELECTIONS)
+        choice(self.criterion, "criterion", CRITERIA)
+        choice(self.selection, "selection", SELECTIONS)
         if self.selection == "online" and self.criterion not in PAIR_CRITERIA:
             raise ValueError(f"selection='online' needs a pair criterion; criterion="
                              f"{self.criterion!r} is not one of {list(PAIR_CRITERIA)}")
@@ -127,12 +127,8 @@ class PNMix(Method):
     # -- binding and bits -------------------------------------------------------------------
 
     def bind(self, spec: ModelSpec) -> None:
-        if spec.head_dim % 2:
-            raise ValueError(f"pnmix needs an even head dim; the model's is {spec.head_dim}")
-        if spec.pairs is None or spec.pairs.numel() != spec.head_dim:
-            raise ValueError("pnmix needs the model's RoPE channel pairs, and this model's RoPE "
-                             "layout could not be determined (no rotary embedding found, or it "
-                             "does not rotate every channel)")
+        if self.criterion in PAIR_CRITERIA:
+            require_pairs(spec, f"{self.name} with criterion={self.criterion!r}")
         if spec.head_dim % self.value_group:
             raise ValueError(f"value_group={self.value_group} must divide the head dim "
                              f"{spec.head_dim}")
@@ -248,11 +244,6 @@ class PNMix(Method):
         offset = (~high).to(dtype) * 0.5 if self.center else 0.0
         keys = reconstruct(codes, k.scale, k.minimum, offset, dtype)
         return keys, dequantize_per_token(blocks.values, dtype)
-
-
-def _choice(value: Any, name: str, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ValueError(f"{name}={value!r} is invalid; valid: {', '.join(valid)}")
 
 
 def _count(valid: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

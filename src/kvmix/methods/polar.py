@@ -1,0 +1,96 @@
+"""``polar``: PolarQuant, keys as RoPE pairs in polar form (the PN-Mix paper's uniform baseline).
+
+RoPE rotates each key pair ``(k_a, k_b)``; PolarQuant stores it as a radius ``r = ‖k_p‖`` and an
+angle ``θ = atan2(k_b, k_a)``, each quantized asymmetrically (min-max) per pair over groups of
+``group`` tokens: radius at ``radius_bits``, angle at ``angle_bits``. Decoding rebuilds
+``k_a = r̂ cos θ̂``, ``k_b = r̂ sin θ̂``. Values per token at ``value_bits``.
+
+Key bits per element: ``(radius_bits + angle_bits)/2 + 32/group`` (a float16 scale and minimum
+for the radius and for the angle of each pair, i.e. 32 bits per channel and group).
+Pairs are read from the model (rotate-half or interleaved).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from kvmix.methods import register
+from kvmix.methods.base import Blocks, Method, ModelSpec, positive, require_pairs
+from kvmix.methods.kxvy import STAT_BITS
+from kvmix.packing import check_bits
+from kvmix.quantizers import (
+    QuantizedTensor,
+    dequantize,
+    dequantize_per_token,
+    quantize,
+    quantize_per_token,
+)
+
+
+@dataclass
+class PolarKeys:
+    radius: QuantizedTensor = field()  # per pair over tokens: rows [B], shape [H, G, P]
+    angle: QuantizedTensor = field()
+
+
+@register
+@dataclass
+class PolarQuant(Method):
+    """PolarQuant: each key RoPE pair as (radius, angle) at radius_bits + angle_bits."""
+
+    name: ClassVar[str] = "polar"
+    summary: ClassVar[str] = "PolarQuant: key RoPE pairs as quantized radius and angle"
+
+    radius_bits: int = 4
+    angle_bits: int = 4
+    group: int = 128
+    sink: int = 32
+    residual: int = 128
+    value_bits: int = 2
+    value_group: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bits(self.radius_bits, "radius_bits")
+        check_bits(self.angle_bits, "angle_bits")
+        check_bits(self.value_bits, "value_bits")
+        positive(self.value_group, "value_group")
+
+    def bind(self, spec: ModelSpec) -> None:
+        require_pairs(spec, "polar")
+        if spec.head_dim % self.value_group:
+            raise ValueError(f"value_group={self.value_group} must divide the head dim "
+                             f"{spec.head_dim}")
+        self.spec = spec
+
+    def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
+        key = (self.radius_bits + self.angle_bits) / 2 + STAT_BITS / self.group
+        return key, self.value_bits + STAT_BITS / self.value_group
+
+    def describe(self) -> str:
+        return ("key bits = (radius_bits + angle_bits)/2 + 32/group; "
+                "value bits = value_bits + 32/value_group")
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+               layer: int, selection: Any) -> tuple[PolarKeys, Any]:
+        # keys, values: [B, H, G, D]; valid: [B, G]
+        pairs = self.spec.pairs
+        a, b = keys[..., pairs[:, 0]].float(), keys[..., pairs[:, 1]].float()  # [B, H, G, P]
+        token_valid = None if valid is None else valid[:, None, :, None]
+        radius = quantize(torch.hypot(a, b), self.radius_bits, -2, token_valid)
+        angle = quantize(torch.atan2(b, a), self.angle_bits, -2, token_valid)
+        values = quantize_per_token(values, self.value_bits, self.value_group)
+        return PolarKeys(radius, angle), values
+
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = self.spec.pairs
+        radius = dequantize(blocks.keys.radius, torch.float32)  # [B, n, H, G, P]
+        angle = dequantize(blocks.keys.angle, torch.float32)
+        keys = torch.empty(*radius.shape[:-1], pairs.numel(), dtype=dtype, device=radius.device)
+        keys[..., pairs[:, 0]] = (radius * torch.cos(angle)).to(dtype)
+        keys[..., pairs[:, 1]] = (radius * torch.sin(angle)).to(dtype)
+        return keys, dequantize_per_token(blocks.values, dtype)
