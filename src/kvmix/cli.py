@@ -11,6 +11,7 @@ from kvmix.compare import CompareConfig, run_compare
 from kvmix.criteria import CriteriaConfig, run_criteria
 from kvmix.methods import method_classes, parameters, presets, split_methods
 from kvmix.pairscore import PairscoreConfig, run_pairscore
+from kvmix.sweep import SweepConfig, run_sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     pairscore.add_argument("--ratio", type=float, default=PairscoreConfig.ratio,
                            help="share of pairs for the top-k overlap")
     pairscore.set_defaults(run=_pairscore)
+    sweep = sub.add_parser("sweep", help="bit-rate Pareto curve of PN-Mix and Kitty (+ KIVI)")
+    _common(sweep, SweepConfig(), methods=False)
+    sweep.add_argument("--budgets", default=",".join(map(str, SweepConfig().budgets)),
+                       help="average key bits to hit")
+    sweep.add_argument("--families", default=",".join(SweepConfig().families))
+    sweep.add_argument("--group", type=int, default=SweepConfig.group)
+    sweep.add_argument("--no-kivi", dest="kivi", action="store_false",
+                       help="leave out KIVI's native points")
+    _lengths(sweep, SweepConfig)
+    sweep.set_defaults(run=_sweep)
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser
@@ -85,9 +96,16 @@ def _config(cls, args: argparse.Namespace):
     values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
     if "methods" in values:
         values["methods"] = split_methods(args.methods)
-    if "criteria" in values:
-        values["criteria"] = [c.strip() for c in args.criteria.split(",") if c.strip()]
+    for name in ("criteria", "families"):
+        if name in values:
+            values[name] = [c.strip() for c in values[name].split(",") if c.strip()]
+    if "budgets" in values:
+        values["budgets"] = [float(b) for b in values["budgets"].split(",") if b.strip()]
     return cls(**values)
+
+
+def _sweep(args: argparse.Namespace) -> None:
+    run_sweep(_config(SweepConfig, args))
 
 
 def _criteria(args: argparse.Namespace) -> None:

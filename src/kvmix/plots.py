@@ -25,3 +25,21 @@ def line_plot(path: str | Path, series: dict[str, list[float]], xlabel: str, yla
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
+                  ylabel: str, title: str, log: bool = False) -> Path:
+    """One line of (x, y) points per series, sorted by x (e.g. a bit-rate Pareto curve)."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, points in series.items():
+        xs, ys = zip(*sorted(points), strict=True)
+        axes.plot(xs, ys, marker="o", label=name)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    if log:
+        axes.set_yscale("log")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)
