@@ -116,3 +116,29 @@ def test_criteria_and_pairscore_write_tables_and_plots(real_model, tmp_path):
     assert (tmp_path / "p" / "pairscore.png").is_file()
     saved = json.loads((tmp_path / "p" / "results.json").read_text())
     assert len(saved["rows"]) == 31 and saved["summary"]["ratio"] == 0.5
+
+
+@pytest.mark.parametrize("spec", ["kitty", "chanmix", "polar"])
+def test_baselines_generate_on_the_real_model(real_model, spec):
+    ids = real_model.tokenizer("Python lists are", return_tensors="pt")
+    cache = kvmix.make_cache(real_model.model, f"{spec}:sink=4,residual=32,group=16")
+    with torch.no_grad():
+        out = real_model.model.generate(**ids, cache=cache, max_new_tokens=40, min_new_tokens=40,
+                                        do_sample=False)
+    assert out.shape[1] == ids.input_ids.shape[1] + 40
+    assert cache.layers[0].lengths and cache.nbytes() == cache.theoretical_nbytes()
+
+
+def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):
+    from kvmix.sweep import SweepConfig, run_sweep
+
+    rows = run_sweep(SweepConfig(budgets=[3.0, 1.5], context=160, eval_tokens=16, chunk=16,
+                                 out=str(tmp_path)), loaded=real_model)
+    assert [(r["family"], r["target_bits"]) for r in rows] == [
+        ("pnmix", 3.0), ("pnmix", 1.5), ("kitty", 3.0), ("kitty", 1.5), ("kivi", None),
+        ("kivi", None)]
+    for row in rows[:4]:
+        assert row["key_bits"] == pytest.approx(row["target_bits"])
+    pnmix = {r["target_bits"]: r["token_kl"] for r in rows if r["family"] == "pnmix"}
+    assert pnmix[3.0] < pnmix[1.5]
+    assert (tmp_path / "pareto.png").stat().st_size > 1000

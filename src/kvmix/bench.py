@@ -14,9 +14,9 @@ import torch
 from rich.progress import Progress
 
 from kvmix.attention import make_cache
-from kvmix.jobs import finish, load_inputs
+from kvmix.jobs import JobConfig, finish, load_inputs
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.models import LoadedModel
 from kvmix.report import console
 
 COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
@@ -24,16 +24,11 @@ COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
 
 
 @dataclass
-class BenchConfig:
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
+class BenchConfig(JobConfig):
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2"])
     prompt: int = 1024
     new_tokens: int = 64
     warmup: int = 4
-    dtype: str = "auto"
-    device: str = "cpu"
-    out: str | None = None
 
 
 def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[dict]:

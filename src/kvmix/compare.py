@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmix.evaluate import Scored, check_lengths, token_kl
-from kvmix.jobs import finish, load_inputs, score_methods
+from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.models import LoadedModel
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")
@@ -19,16 +19,11 @@ COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
 
 
 @dataclass
-class CompareConfig:
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
+class CompareConfig(JobConfig):
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     context: int = 1024
     eval_tokens: int = 256
     chunk: int = 1
-    dtype: str = "auto"
-    device: str = "cpu"
-    out: str | None = None
 
 
 def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> list[dict]:

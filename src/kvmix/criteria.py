@@ -12,9 +12,9 @@ from pathlib import Path
 from kvmix.analysis import attention_kl, capture
 from kvmix.evaluate import check_lengths, token_kl
 from kvmix.importance import CRITERIA
-from kvmix.jobs import finish, load_inputs, score_methods
+from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.models import LoadedModel
 from kvmix.plots import line_plot
 
 COLUMNS = {"criterion": "criterion", "key_bits": "K bits", "attention_kl": "attention KL",
@@ -22,18 +22,13 @@ COLUMNS = {"criterion": "criterion", "key_bits": "K bits", "attention_kl": "atte
 
 
 @dataclass
-class CriteriaConfig:
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
+class CriteriaConfig(JobConfig):
     base: str = "pnmix1"
     criteria: list[str] = field(default_factory=lambda: list(CRITERIA))
     context: int = 2048
     eval_tokens: int = 256
     queries: int = 64
     chunk: int = 1
-    dtype: str = "auto"
-    device: str = "cpu"
-    out: str | None = None
 
 
 def run_criteria(config: CriteriaConfig, loaded: LoadedModel | None = None) -> list[dict]:

@@ -3,6 +3,7 @@ bar, print the table and save ``results.json`` with the configuration, model and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +12,19 @@ from rich.progress import Progress
 
 from kvmix.data import load_text, token_ids
 from kvmix.evaluate import Scored, score
-from kvmix.models import LoadedModel, load_model, model_info
+from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model, model_info
 from kvmix.report import console, print_table, write_results
+
+
+@dataclass
+class JobConfig:
+    """What every command takes: the model, the text, precision, device and output folder."""
+
+    model: str = DEFAULT_MODEL
+    data: str = "prose"
+    dtype: str = "auto"
+    device: str = "cpu"
+    out: str | None = None
 
 
 def load_inputs(config: Any, n_tokens: int,

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmix.analysis import capture, pair_score_agreement
-from kvmix.jobs import finish, load_inputs
-from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.jobs import JobConfig, finish, load_inputs
+from kvmix.models import LoadedModel
 from kvmix.plots import line_plot
 
 COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "Spearman min",
@@ -17,14 +17,9 @@ COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "
 
 
 @dataclass
-class PairscoreConfig:
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
+class PairscoreConfig(JobConfig):
     context: int = 2048
     ratio: float = 0.5
-    dtype: str = "auto"
-    device: str = "cpu"
-    out: str | None = None
 
 
 def run_pairscore(config: PairscoreConfig, loaded: LoadedModel | None = None) -> dict:

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmix.evaluate import check_lengths, token_kl
-from kvmix.jobs import finish, load_inputs, score_methods
+from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import DEFAULT_MODEL, LoadedModel
+from kvmix.models import LoadedModel
 from kvmix.plots import scatter_lines
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
@@ -33,9 +33,7 @@ COLUMNS = {"family": "method", "target_bits": "target", "key_bits": "K bits",
 
 
 @dataclass
-class SweepConfig:
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
+class SweepConfig(JobConfig):
     budgets: list[float] = field(default_factory=lambda: list(BUDGETS))
     families: list[str] = field(default_factory=lambda: list(FAMILIES))
     group: int = 128
@@ -43,9 +41,6 @@ class SweepConfig:
     context: int = 2048
     eval_tokens: int = 256
     chunk: int = 1
-    dtype: str = "auto"
-    device: str = "cpu"
-    out: str | None = None
 
 
 def method_at(family: str, bits: float, group: int = 128) -> str:

@@ -13,6 +13,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvmix.packing import check_bits
+from kvmix.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
+
+STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
+
 
 @dataclass(frozen=True, eq=False)
 class ModelSpec:
@@ -113,3 +118,33 @@ class Method:
     def describe(self) -> str:
         """The bit formula, in words, for ``kvmix methods``."""
         return ""
+
+
+@dataclass
+class PerTokenValues(Method):
+    """A key method whose values are KIVI-style: per token, ``value_bits`` over groups of
+    ``value_group`` channels. Key methods share this value configuration so that comparisons
+    between them differ in the keys only."""
+
+    value_bits: int = 2
+    value_group: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bits(self.value_bits, "value_bits")
+        positive(self.value_group, "value_group")
+
+    def bind(self, spec: ModelSpec) -> None:
+        if spec.head_dim % self.value_group:
+            raise ValueError(f"value_group={self.value_group} must divide the head dim "
+                             f"{spec.head_dim}")
+        self.spec = spec
+
+    def encode_values(self, values: torch.Tensor) -> QuantizedTensor:
+        return quantize_per_token(values, self.value_bits, self.value_group)  # [B, H, G, D]
+
+    def decode_values(self, blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
+
+    def value_bits_per_element(self) -> float:
+        return self.value_bits + STAT_BITS / self.value_group

@@ -29,10 +29,9 @@ import torch
 
 from kvmix.importance import group_mean, masked_mean, scores, top_mask
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, positive
-from kvmix.methods.kxvy import STAT_BITS
-from kvmix.packing import check_bits, pack, unpack
-from kvmix.quantizers import dequantize_per_token, quantize_codes, quantize_per_token, reconstruct
+from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues
+from kvmix.packing import pack, unpack
+from kvmix.quantizers import quantize_codes, reconstruct
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
 CLASS_NAMES = ("retrieval", "outlier", "normal", "subnormal")
@@ -56,7 +55,7 @@ class ChannelClasses:
 
 @register
 @dataclass
-class ChanMix(Method):
+class ChanMix(PerTokenValues):
     """ChanMix: per-channel classes at 4/3/2/1 bits, chosen at prefill, 2 bits on average."""
 
     name: ClassVar[str] = "chanmix"
@@ -68,8 +67,6 @@ class ChanMix(Method):
     group: int = 128
     sink: int = 32
     residual: int = 128
-    value_bits: int = 2
-    value_group: int = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -79,14 +76,6 @@ class ChanMix(Method):
                 raise ValueError(f"{name}={share!r} is invalid; expected a share in [0, 1]")
         if sum(shares) > 1:
             raise ValueError(f"retrieval + outlier + subnormal = {sum(shares):.3f} exceeds 1")
-        check_bits(self.value_bits, "value_bits")
-        positive(self.value_group, "value_group")
-
-    def bind(self, spec: ModelSpec) -> None:
-        if spec.head_dim % self.value_group:
-            raise ValueError(f"value_group={self.value_group} must divide the head dim "
-                             f"{spec.head_dim}")
-        self.spec = spec
 
     def counts(self, head_dim: int) -> tuple[int, int, int, int]:
         """Channels per class (retrieval, outlier, normal, subnormal)."""
@@ -97,7 +86,7 @@ class ChanMix(Method):
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         dim = self.spec.head_dim
         key = sum(n * b for n, b in zip(self.counts(dim), CLASS_BITS, strict=True)) / dim
-        return key + STAT_BITS / self.group, self.value_bits + STAT_BITS / self.value_group
+        return key + STAT_BITS / self.group, self.value_bits_per_element()
 
     def selection_bits(self, spec: ModelSpec) -> int:
         return 2 * spec.n_kv_heads * spec.head_dim
@@ -153,7 +142,7 @@ class ChanMix(Method):
             scale.scatter_(-1, index.unsqueeze(-2), s)
             minimum.scatter_(-1, index.unsqueeze(-2), m)
         stored = ClassKeys(tuple(codes), scale, minimum)
-        return stored, quantize_per_token(values, self.value_bits, self.value_group)
+        return stored, self.encode_values(values)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,7 +158,7 @@ class ChanMix(Method):
             scale = stored.scale.gather(-1, where[..., :1, :])
             minimum = stored.minimum.gather(-1, where[..., :1, :])
             keys.scatter_(-1, where, reconstruct(codes, scale, minimum, 0.0, dtype))
-        return keys, dequantize_per_token(blocks.values, dtype)
+        return keys, self.decode_values(blocks, dtype)
 
 
 def _expand(index: torch.Tensor, tokens: int) -> torch.Tensor:

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, positive
+from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, positive
 from kvmix.packing import WIDTHS, check_bits
 from kvmix.quantizers import (
     QuantizedTensor,
@@ -25,7 +25,6 @@ from kvmix.quantizers import (
 )
 
 Bits = int | tuple[int, ...]
-STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
 
 
 def per_layer(bits: Bits, layer: int) -> int:

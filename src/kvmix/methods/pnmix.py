@@ -40,15 +40,16 @@ from kvmix.importance import (
     top_mask,
 )
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, choice, positive, require_pairs
-from kvmix.methods.kxvy import STAT_BITS
-from kvmix.packing import check_bits, pack, unpack
-from kvmix.quantizers import (
-    dequantize_per_token,
-    quantize_codes,
-    quantize_per_token,
-    reconstruct,
+from kvmix.methods.base import (
+    STAT_BITS,
+    Blocks,
+    ModelSpec,
+    PerTokenValues,
+    choice,
+    require_pairs,
 )
+from kvmix.packing import check_bits, pack, unpack
+from kvmix.quantizers import quantize_codes, reconstruct
 
 SELECTIONS = ("prefill", "online")
 INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)
@@ -86,7 +87,7 @@ class RunningNorms:
 
 @register
 @dataclass
-class PNMix(Method):
+class PNMix(PerTokenValues):
     """PN-Mix: pair-norm guided 3/1-bit keys chosen at prefill; per-token values."""
 
     name: ClassVar[str] = "pnmix"
@@ -101,8 +102,6 @@ class PNMix(Method):
     one_bit_correction: bool = True
     sink: int = 32
     residual: int = 128
-    value_bits: int = 2
-    value_group: int = 32
     criterion: str = "qk_pair_norm"
     selection: str = "prefill"
 
@@ -112,12 +111,10 @@ class PNMix(Method):
             raise ValueError(f"ratio={self.ratio!r} is invalid; expected a number in [0, 1]")
         check_bits(self.high_bits, "high_bits", (2, 3, 4, 8))
         check_bits(self.low_bits, "low_bits", (1, 2, 3, 4))
-        check_bits(self.value_bits, "value_bits")
         if self.high_bits <= self.low_bits:
             raise ValueError(f"high_bits={self.high_bits} must be greater than "
                              f"low_bits={self.low_bits}")
         check_bits(self.high_bits - self.low_bits, "high_bits - low_bits")
-        positive(self.value_group, "value_group")
         choice(self.criterion, "criterion", CRITERIA)
         choice(self.selection, "selection", SELECTIONS)
         if self.selection == "online" and self.criterion not in PAIR_CRITERIA:
@@ -129,10 +126,7 @@ class PNMix(Method):
     def bind(self, spec: ModelSpec) -> None:
         if self.criterion in PAIR_CRITERIA:
             require_pairs(spec, f"{self.name} with criterion={self.criterion!r}")
-        if spec.head_dim % self.value_group:
-            raise ValueError(f"value_group={self.value_group} must divide the head dim "
-                             f"{spec.head_dim}")
-        self.spec = spec
+        super().bind(spec)
 
     @property
     def center(self) -> bool:
@@ -148,7 +142,7 @@ class PNMix(Method):
         key = self.low_bits + high / dim * (self.high_bits - self.low_bits) + STAT_BITS / self.group
         if self.selection == "online":
             key += high * INDEX_BITS / (dim * self.group)
-        return key, self.value_bits + STAT_BITS / self.value_group
+        return key, self.value_bits_per_element()
 
     def selection_bits(self, spec: ModelSpec) -> int:
         if self.selection == "online":  # two float32 sums per (head, pair) and two counts
@@ -222,7 +216,7 @@ class PNMix(Method):
         stored = MixedKeys(pack(low_plane, self.low_bits), pack(refine, shift),
                            torch.where(high, high_scale, low_scale), minimum,
                            index.to(torch.uint8) if self.selection == "online" else None)
-        return stored, quantize_per_token(values, self.value_bits, self.value_group)
+        return stored, self.encode_values(values)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,7 +237,7 @@ class PNMix(Method):
         high = _channel_mask(index, dim)  # [B, n|1, H, 1, D]
         offset = (~high).to(dtype) * 0.5 if self.center else 0.0
         keys = reconstruct(codes, k.scale, k.minimum, offset, dtype)
-        return keys, dequantize_per_token(blocks.values, dtype)
+        return keys, self.decode_values(blocks, dtype)
 
 
 def _count(valid: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -18,16 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, positive, require_pairs
-from kvmix.methods.kxvy import STAT_BITS
+from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues, require_pairs
 from kvmix.packing import check_bits
-from kvmix.quantizers import (
-    QuantizedTensor,
-    dequantize,
-    dequantize_per_token,
-    quantize,
-    quantize_per_token,
-)
+from kvmix.quantizers import QuantizedTensor, dequantize, quantize
 
 
 @dataclass
@@ -38,7 +31,7 @@ class PolarKeys:
 
 @register
 @dataclass
-class PolarQuant(Method):
+class PolarQuant(PerTokenValues):
     """PolarQuant: each key RoPE pair as (radius, angle) at radius_bits + angle_bits."""
 
     name: ClassVar[str] = "polar"
@@ -49,26 +42,19 @@ class PolarQuant(Method):
     group: int = 128
     sink: int = 32
     residual: int = 128
-    value_bits: int = 2
-    value_group: int = 32
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bits(self.radius_bits, "radius_bits")
         check_bits(self.angle_bits, "angle_bits")
-        check_bits(self.value_bits, "value_bits")
-        positive(self.value_group, "value_group")
 
     def bind(self, spec: ModelSpec) -> None:
         require_pairs(spec, "polar")
-        if spec.head_dim % self.value_group:
-            raise ValueError(f"value_group={self.value_group} must divide the head dim "
-                             f"{spec.head_dim}")
-        self.spec = spec
+        super().bind(spec)
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         key = (self.radius_bits + self.angle_bits) / 2 + STAT_BITS / self.group
-        return key, self.value_bits + STAT_BITS / self.value_group
+        return key, self.value_bits_per_element()
 
     def describe(self) -> str:
         return ("key bits = (radius_bits + angle_bits)/2 + 32/group; "
@@ -82,8 +68,7 @@ class PolarQuant(Method):
         token_valid = None if valid is None else valid[:, None, :, None]
         radius = quantize(torch.hypot(a, b), self.radius_bits, -2, token_valid)
         angle = quantize(torch.atan2(b, a), self.angle_bits, -2, token_valid)
-        values = quantize_per_token(values, self.value_bits, self.value_group)
-        return PolarKeys(radius, angle), values
+        return PolarKeys(radius, angle), self.encode_values(values)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,4 +78,4 @@ class PolarQuant(Method):
         keys = torch.empty(*radius.shape[:-1], pairs.numel(), dtype=dtype, device=radius.device)
         keys[..., pairs[:, 0]] = (radius * torch.cos(angle)).to(dtype)
         keys[..., pairs[:, 1]] = (radius * torch.sin(angle)).to(dtype)
-        return keys, dequantize_per_token(blocks.values, dtype)
+        return keys, self.decode_values(blocks, dtype)
