@@ -10,6 +10,7 @@ from kvmix.bench import BenchConfig, run_bench
 from kvmix.compare import CompareConfig, run_compare
 from kvmix.criteria import CriteriaConfig, run_criteria
 from kvmix.methods import method_classes, parameters, presets, split_methods
+from kvmix.norms import NormsConfig, run_norms
 from kvmix.pairscore import PairscoreConfig, run_pairscore
 from kvmix.sweep import SweepConfig, run_sweep
 
@@ -64,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="leave out KIVI's native points")
     _lengths(sweep, SweepConfig)
     sweep.set_defaults(run=_sweep)
+    norms = sub.add_parser("norms", help="spectral/Frobenius norms of W_K vs W_V per layer")
+    _common(norms, NormsConfig(), methods=False)
+    norms.set_defaults(run=lambda args: run_norms(_config(NormsConfig, args)))
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser

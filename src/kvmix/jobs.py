@@ -48,12 +48,13 @@ def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], co
 
 
 def finish(command: str, config: Any, loaded: LoadedModel, rows: list[dict], title: str,
-           columns: dict[str, str], **extra: Any) -> Path | None:
+           columns: dict[str, str], uses_data: bool = True, **extra: Any) -> Path | None:
     """Print the table; with ``config.out`` write results.json and say where."""
     print_table(f"kvmix {command} · {loaded.name} · {title}", rows, columns)
     if not config.out:
         return None
+    data = {"data": {"name": config.data}} if uses_data else {}
     path = write_results(config.out, command, config, rows, model=model_info(loaded),
-                         data={"name": config.data}, **extra)
+                         **data, **extra)
     console.print(f"wrote {path}")
     return path

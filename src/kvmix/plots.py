@@ -43,3 +43,23 @@ def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]]
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xlabel: str,
+                 title: str) -> Path:
+    """One panel per entry, each with side-by-side bars per series over x = 0, 1, 2, ..."""
+    figure, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
+    for ax, (name, series) in zip(axes[:, 0], panels.items(), strict=True):
+        width = 0.8 / len(series)
+        for i, (label, ys) in enumerate(series.items()):
+            ax.bar([x + (i - (len(series) - 1) / 2) * width for x in range(len(ys))], ys,
+                   width=width, label=label)
+        ax.set(ylabel=name)
+        ax.grid(alpha=0.3, axis="y")
+        ax.legend(fontsize=8)
+    axes[-1, 0].set(xlabel=xlabel)
+    figure.suptitle(title)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)

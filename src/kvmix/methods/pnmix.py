@@ -232,8 +232,7 @@ class PNMix(PerTokenValues):
         codes = unpack(k.low, self.low_bits, heads * group * dim).view(*rows, heads, group, dim)
         refine = unpack(k.high, shift, heads * group * count).view(*rows, heads, group, count)
         where = _expand(index, group).expand(*rows, heads, group, count)
-        codes = codes.long()
-        codes = codes.scatter(-1, where, (codes.gather(-1, where) << shift) | refine.long())
+        codes = codes.scatter(-1, where, (codes.gather(-1, where) << shift) | refine)  # uint8
         high = _channel_mask(index, dim)  # [B, n|1, H, 1, D]
         offset = (~high).to(dtype) * 0.5 if self.center else 0.0
         keys = reconstruct(codes, k.scale, k.minimum, offset, dtype)
