@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmix.attention import make_cache, observe_attention
-from kvmix.cache import KVMixCache, take_pending
+from kvmix.cache import take_pending
 from kvmix.importance import causal_pair_score, scores, spearman, top_overlap
 from kvmix.methods import Method
 from kvmix.rope import rope_pairs
@@ -55,7 +55,7 @@ def capture(model, ids: torch.Tensor, context: int) -> Captured:
 def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tensor:
     """KL(softmax with exact keys ‖ softmax with the method's keys) for the decode queries over
     the quantized context, per layer and query head, averaged over queries: [L, Hq]."""
-    cache = KVMixCache(method, model.config, rope_pairs(model))
+    cache = make_cache(model, method)
     rows = []
     for layer in sorted(captured.keys):
         keys = captured.keys[layer]
@@ -64,7 +64,8 @@ def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tenso
         approx = cache.layers[layer].materialize()[0]  # [B, H, C, D]
         query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]
         exact = torch.log_softmax(_logits(query, keys.float(), scale), -1)  # [B, Hq, N, C]
-        quant = torch.log_softmax(_logits(query, approx.float(), scale), -1)
+        rotated = cache.method.transform_queries(query, layer)  # the cache's key space
+        quant = torch.log_softmax(_logits(rotated, approx.float(), scale), -1)
         rows.append((exact.exp() * (exact - quant)).sum(-1).mean((0, 2)))  # [Hq]
     return torch.stack(rows)
 

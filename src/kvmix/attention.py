@@ -20,6 +20,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from kvmix.cache import KVMixCache, take_pending
 from kvmix.methods import Method
 from kvmix.rope import rope_pairs
+from kvmix.weights import kv_weights, squared_frobenius
 
 NAME = "kvmix"
 # Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
@@ -32,6 +33,8 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs) -> tuple[torch.Tensor, None]:
     # query: [B, Hq, q, D]; key, value: [B, Hkv, T, D]; attention_mask: [B, 1, q, T] bool or None
     layer = take_pending()
+    if layer is not None:
+        query = layer.method.transform_queries(query, layer.layer_idx)
     for observe in _OBSERVERS:
         observe(module.layer_idx, query, key, value, kwargs.get("scaling") or module.scaling)
     out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
@@ -65,7 +68,7 @@ def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
     Sets the model's attention implementation to ``kvmix`` (SDPA plus the cache commit; for any
     other cache it behaves exactly as SDPA).
     """
-    cache = KVMixCache(method, model.config, rope_pairs(model))
+    cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model))
     use_kvmix_attention(model)
     return cache
 
@@ -80,3 +83,11 @@ def observe_attention(model: Any, observer: Observer) -> Iterator[None]:
         yield
     finally:
         _OBSERVERS.remove(observer)
+
+
+def _kv_norms(model: Any) -> torch.Tensor | None:
+    """Squared Frobenius norms of W_K, W_V per layer, or None where they cannot be read."""
+    try:
+        return squared_frobenius(kv_weights(model))
+    except ValueError:
+        return None

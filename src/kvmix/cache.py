@@ -45,7 +45,8 @@ def take_pending() -> KVMixLayer | None:
     return layer
 
 
-def model_spec(config: Any, pairs: torch.Tensor | None = None) -> ModelSpec:
+def model_spec(config: Any, pairs: torch.Tensor | None = None,
+               kv_norms: torch.Tensor | None = None) -> ModelSpec:
     """The attention layout of a transformers config; a clear error when it is not there."""
     config = config.get_text_config(decoder=True)
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if not hasattr(config, a)]
@@ -60,7 +61,7 @@ def model_spec(config: Any, pairs: torch.Tensor | None = None) -> ModelSpec:
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim, pairs)
+    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim, pairs, kv_norms)
 
 
 class KVMixLayer(CacheLayerMixin):
@@ -106,6 +107,7 @@ class KVMixLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        key_states = self.method.transform_keys(key_states, self.layer_idx)
         self.res_keys = torch.cat([self.res_keys, key_states], dim=-2)
         self.res_values = torch.cat([self.res_values, value_states], dim=-2)
         _HANDOFF.layer = self
@@ -289,9 +291,10 @@ def _check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
 class KVMixCache(Cache):
     """A transformers Cache whose full-attention layers are packed by one kvmix method."""
 
-    def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None):
+    def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
+                 kv_norms: torch.Tensor | None = None):
         self.method = parse_method(method)
-        self.spec = model_spec(config, pairs)
+        self.spec = model_spec(config, pairs, kv_norms)
         self.method.bind(self.spec)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)

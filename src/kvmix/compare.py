@@ -10,6 +10,7 @@ from kvmix.evaluate import Scored, check_lengths, token_kl
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
 from kvmix.models import LoadedModel
+from kvmix.report import console
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")
@@ -34,6 +35,10 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     scored = score_methods(loaded, ids, ["full", *config.methods], config.context, config.chunk)
     rows = [_row(text, method, scored[text], scored["full"], loaded.dtype)
             for text, method in zip(config.methods, methods, strict=True)]
+    for row in rows:
+        if row["plan"]:
+            console.print(f"{row['method']} plan: key bits {row['plan']['key_bits']}, "
+                          f"value bits {row['plan']['value_bits']}")
     finish("compare", config, loaded, rows, f"{config.data} · context {config.context} + "
            f"{config.eval_tokens} tokens", COLUMNS)
     return rows
@@ -57,4 +62,5 @@ def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) ->
         "delta_ppl": scored.ppl - full.ppl,
         "token_kl": token_kl(full.logprobs, scored.logprobs),
         "seconds": scored.seconds,
+        "plan": scored.plan,
     }

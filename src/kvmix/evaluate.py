@@ -31,6 +31,7 @@ class Scored:
     theoretical_nbytes: float = 0.0
     nbytes_fp16: int = 0
     bits: tuple[float, float] = (0.0, 0.0)  # key, value bits per stored element
+    plan: dict | None = None  # per-layer widths a budget-mode method chose
 
     @property
     def nll(self) -> float:
@@ -75,7 +76,7 @@ def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
             seconds: float) -> Scored:
     return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.nbytes(),
                   cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes(),
-                  cache.bits())
+                  cache.bits(), getattr(cache.method, "plan", None))
 
 
 def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

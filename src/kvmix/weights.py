@@ -84,3 +84,9 @@ def _heads(weight: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 def _bias(bias: torch.Tensor | None, kv_heads: int) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().view(kv_heads, -1)
+
+
+def squared_frobenius(weights: list[KVWeights]) -> torch.Tensor:
+    """[L, 2]: ‖W_K,l‖²_F and ‖W_V,l‖²_F, the weights of the bit-allocation proxy."""
+    return torch.tensor([[w.keys.double().pow(2).sum().item(),
+                          w.values.double().pow(2).sum().item()] for w in weights])

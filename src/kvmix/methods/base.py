@@ -28,6 +28,7 @@ class ModelSpec:
     n_kv_heads: int
     head_dim: int
     pairs: torch.Tensor | None = None  # [D/2, 2] RoPE channel pairs read from the model
+    kv_norms: torch.Tensor | None = None  # [L, 2] ‖W_K‖²_F, ‖W_V‖²_F per layer
 
 
 @dataclass
@@ -91,6 +92,14 @@ class Method:
                layer: int) -> Any:
         """Prefill-time channel selection; queries: [B, Hq, T, D], keys: [B, Hkv, T, D]."""
         return None
+
+    def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        """Applied to new keys [B, H, q, D] as they enter the cache (after RoPE)."""
+        return keys
+
+    def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        """Applied to queries [B, Hq, q, D] in the attention hook, so that q'·k' = q·k."""
+        return queries
 
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
                 valid: torch.Tensor | None, layer: int) -> Any:

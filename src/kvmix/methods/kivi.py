@@ -30,3 +30,4 @@ class Kivi(KxVy):
 
     key_bits: Bits = 2
     value_bits: Bits = 2
+    allowed: tuple[int, ...] = (2, 4)

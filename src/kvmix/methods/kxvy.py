@@ -1,9 +1,19 @@
-"""``kxvy``: key-priority bit allocation ("more bits for keys, fewer for values", SPEC §4.2).
+"""``kxvy``: key-priority bit allocation ("more bits for keys, fewer for values", SPEC §4.2;
+seeds/001).
 
 Keys are quantized per channel over groups of ``group`` tokens and values per token over groups of
 ``value_group`` channels, both asymmetric min-max with a float16 scale and minimum, at independent
 bit widths. ``key_bits`` and ``value_bits`` may be one width for every layer or a per-layer list
 (``key_bits=4/4/2/...`` in a method string).
+
+``budget=3`` instead allocates per-layer widths from ``allowed`` (default 1/2/3/4/8) averaging
+exactly the budget over keys and values, by water-filling on ‖W_K‖², ‖W_V‖² (kvmix.allocation);
+the plan is kept in ``plan`` and printed by the commands.
+
+``rotate``: ``keys`` multiplies keys by a normalized Hadamard matrix H as they enter the cache
+(after RoPE) and queries by the same H in the attention hook, so ``q'·k' = q·k`` and only the
+quantization sees the rotated basis; ``values`` quantizes ``v·H`` and returns ``v̂'·Hᵀ``, which is
+exactly folding H into W_V and Hᵀ into W_O, without touching the model; ``both`` does both.
 """
 
 from __future__ import annotations
@@ -13,8 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvmix.allocation import allocate
 from kvmix.methods import register
-from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, positive
+from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, choice, positive
 from kvmix.packing import WIDTHS, check_bits
 from kvmix.quantizers import (
     QuantizedTensor,
@@ -23,8 +34,10 @@ from kvmix.quantizers import (
     quantize,
     quantize_per_token,
 )
+from kvmix.transforms import hadamard
 
 Bits = int | tuple[int, ...]
+ROTATIONS = ("none", "keys", "values", "both")
 
 
 def per_layer(bits: Bits, layer: int) -> int:
@@ -54,14 +67,26 @@ class KxVy(Method):
     value_group: int = 32
     sink: int = 0
     residual: int = 128
+    budget: float | None = None
+    allowed: tuple[int, ...] = WIDTHS
+    rotate: str = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_bit_list(self.key_bits, "key_bits", self.allowed_bits)
         check_bit_list(self.value_bits, "value_bits", self.allowed_bits)
+        self.allowed = (self.allowed,) if isinstance(self.allowed, int) else tuple(self.allowed)
+        check_bit_list(self.allowed, "allowed", self.allowed_bits)
+        if self.budget is not None and not isinstance(self.budget, (int, float)):
+            raise ValueError(f"budget={self.budget!r} is invalid; expected average bits")
         positive(self.value_group, "value_group")
+        choice(self.rotate, "rotate", ROTATIONS)
+        self.plan: dict[str, list[int]] | None = None
 
     def bind(self, spec: ModelSpec) -> None:
+        if self.budget is not None:
+            self._allocate(spec)
+        self.rotation = hadamard(spec.head_dim) if self.rotate != "none" else None
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if not isinstance(bits, int) and len(bits) != spec.n_layers:
@@ -74,11 +99,27 @@ class KxVy(Method):
                 f"value_group={self.value_group} must divide the head dim {spec.head_dim}"
             )
 
+    def _allocate(self, spec: ModelSpec) -> None:
+        if spec.kv_norms is None:
+            raise ValueError("budget mode needs the model's W_K/W_V norms: build the cache with "
+                             "kvmix.make_cache(model, ...)")
+        plan = allocate(spec.kv_norms, float(self.budget), self.allowed)  # [L, 2]
+        self.key_bits, self.value_bits = tuple(plan[:, 0].tolist()), tuple(plan[:, 1].tolist())
+        self.plan = {"key_bits": list(self.key_bits), "value_bits": list(self.value_bits)}
+
+    def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        return keys @ self.rotation.to(keys) if self.rotate in ("keys", "both") else keys
+
+    def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        return self.transform_keys(queries, layer)
+
     def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
                layer: int, selection: Any) -> tuple[QuantizedTensor, QuantizedTensor]:
         # keys, values: [B, H, G, D]; valid: [B, G] -> per-channel keys, per-token values
         key_valid = None if valid is None else valid[:, None, :, None]
         k = quantize(keys, per_layer(self.key_bits, layer), dim=-2, valid=key_valid)
+        if self.rotate in ("values", "both"):
+            values = values @ self.rotation.to(values)
         v = quantize_per_token(values, per_layer(self.value_bits, layer), self.value_group)
         return k, v
 
@@ -86,6 +127,8 @@ class KxVy(Method):
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
         values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
+        if self.rotate in ("values", "both"):
+            values = values @ self.rotation.to(values).T
         return keys, values
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
@@ -93,4 +136,5 @@ class KxVy(Method):
                 per_layer(self.value_bits, layer) + STAT_BITS / self.value_group)
 
     def describe(self) -> str:
-        return "key bits = key_bits + 32/group; value bits = value_bits + 32/value_group"
+        return ("key bits = key_bits + 32/group; value bits = value_bits + 32/value_group "
+                "(budget mode: per-layer widths averaging the budget)")
