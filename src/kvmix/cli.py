@@ -9,9 +9,11 @@ from dataclasses import fields
 from kvmix.bench import BenchConfig, run_bench
 from kvmix.compare import CompareConfig, run_compare
 from kvmix.criteria import CriteriaConfig, run_criteria
+from kvmix.keyfirst import KeyfirstConfig, run_keyfirst
 from kvmix.methods import method_classes, parameters, presets, split_methods
 from kvmix.norms import NormsConfig, run_norms
 from kvmix.pairscore import PairscoreConfig, run_pairscore
+from kvmix.recon import ReconConfig, run_recon
 from kvmix.sweep import SweepConfig, run_sweep
 
 
@@ -68,6 +70,18 @@ def _parser() -> argparse.ArgumentParser:
     norms = sub.add_parser("norms", help="spectral/Frobenius norms of W_K vs W_V per layer")
     _common(norms, NormsConfig(), methods=False)
     norms.set_defaults(run=lambda args: run_norms(_config(NormsConfig, args)))
+    keyfirst = sub.add_parser("keyfirst", help="K2V4 vs K4V2 vs K4V4 vs K2V2, rotations, groups")
+    _common(keyfirst, KeyfirstConfig(), methods=False)
+    _lengths(keyfirst, KeyfirstConfig)
+    keyfirst.set_defaults(run=lambda args: run_keyfirst(_config(KeyfirstConfig, args)))
+    recon = sub.add_parser("recon", help="key vs value reconstruction error at equal bits")
+    _common(recon, ReconConfig(), methods=False)
+    recon.add_argument("--bits", default="1,2,3,4", help="comma-separated widths")
+    recon.add_argument("--context", type=int, default=ReconConfig.context)
+    recon.add_argument("--queries", type=int, default=ReconConfig.queries)
+    recon.add_argument("--group", type=int, default=ReconConfig.group)
+    recon.add_argument("--value-group", type=int, default=ReconConfig.value_group)
+    recon.set_defaults(run=lambda args: run_recon(_config(ReconConfig, args)))
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser
@@ -103,6 +117,8 @@ def _config(cls, args: argparse.Namespace):
     for name in ("criteria", "families"):
         if name in values:
             values[name] = [c.strip() for c in values[name].split(",") if c.strip()]
+    if "bits" in values:
+        values["bits"] = [int(b) for b in values["bits"].split(",") if b.strip()]
     if "budgets" in values:
         values["budgets"] = [float(b) for b in values["budgets"].split(",") if b.strip()]
     return cls(**values)

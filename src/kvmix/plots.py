@@ -46,8 +46,9 @@ def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]]
 
 
 def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xlabel: str,
-                 title: str) -> Path:
-    """One panel per entry, each with side-by-side bars per series over x = 0, 1, 2, ..."""
+                 title: str, ticks: list[str] | None = None) -> Path:
+    """One panel per entry, each with side-by-side bars per series over x = 0, 1, 2, ...
+    (or over ``ticks``)."""
     figure, axes = plt.subplots(len(panels), 1, figsize=(10, 3.2 * len(panels)), squeeze=False)
     for ax, (name, series) in zip(axes[:, 0], panels.items(), strict=True):
         width = 0.8 / len(series)
@@ -57,6 +58,9 @@ def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xl
         ax.set(ylabel=name)
         ax.grid(alpha=0.3, axis="y")
         ax.legend(fontsize=8)
+    if ticks:
+        for ax in axes[:, 0]:
+            ax.set_xticks(range(len(ticks)), ticks, rotation=30, ha="right", fontsize=8)
     axes[-1, 0].set(xlabel=xlabel)
     figure.suptitle(title)
     figure.tight_layout()
