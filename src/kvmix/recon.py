@@ -2,9 +2,9 @@
 (SPEC §4.2, seeds/001)
 
 On real activations (a full-precision prefill of ``context`` tokens, then ``queries`` decode
-queries), per layer and for 1, 2, 3 and 4 bits: the relative (and RMS) reconstruction error of the key cache
-(per channel, groups of ``group`` tokens) and of the value cache (per token, groups of
-``value_group`` channels), and what each does downstream: the relative error of the attention
+queries), per layer and for 1, 2, 3 and 4 bits: the relative (and RMS) reconstruction error of
+the key cache (per channel, groups of ``group`` tokens) and of the value cache (per token, groups
+of ``value_group`` channels), and what each does downstream: the relative error of the attention
 scores ``q·kᵀ`` (keys quantized) and of the attention outputs (keys only, or values only,
 quantized).
 """
