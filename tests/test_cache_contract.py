@@ -16,7 +16,9 @@ from kvmix.tree import map_tensors, tensor_bytes
 
 SINK, RESIDUAL, GROUP = 4, 16, 8
 B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
-METHODS = [*method_names(), "pnmix:selection=online", "pnmix:criterion=key_range"]
+METHODS = [*method_names(), "pnmix:selection=online", "pnmix:criterion=key_range",
+           "kxvy:rotate=values", "kxvy:backend=hqq,key_bits=4,value_bits=1",
+           "kxvy:backend=quanto,key_bits=2,value_bits=4"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)  # Llama's rotate_half
 
 

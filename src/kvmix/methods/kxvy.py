@@ -25,10 +25,16 @@ import torch
 
 from kvmix.allocation import allocate
 from kvmix.methods import register
+from kvmix.methods.backends import (
+    check_backend,
+    dequantize_rows,
+    key_rows,
+    quantize_rows,
+    value_rows,
+)
 from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, choice, positive
 from kvmix.packing import WIDTHS, check_bits
 from kvmix.quantizers import (
-    QuantizedTensor,
     dequantize,
     dequantize_per_token,
     quantize,
@@ -70,6 +76,7 @@ class KxVy(Method):
     budget: float | None = None
     allowed: tuple[int, ...] = WIDTHS
     rotate: str = "none"
+    backend: str = "native"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,9 +88,15 @@ class KxVy(Method):
             raise ValueError(f"budget={self.budget!r} is invalid; expected average bits")
         positive(self.value_group, "value_group")
         choice(self.rotate, "rotate", ROTATIONS)
+        widths = self.allowed if self.budget is not None else tuple(
+            b for bits in (self.key_bits, self.value_bits)
+            for b in ((bits,) if isinstance(bits, int) else bits))
+        check_backend(self.backend, widths, "budget widths" if self.budget is not None
+                      else "key/value widths")
         self.plan: dict[str, list[int]] | None = None
 
     def bind(self, spec: ModelSpec) -> None:
+        self.spec = spec
         if self.budget is not None:
             self._allocate(spec)
         self.rotation = hadamard(spec.head_dim) if self.rotate != "none" else None
@@ -114,19 +127,25 @@ class KxVy(Method):
         return self.transform_keys(queries, layer)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[QuantizedTensor, QuantizedTensor]:
+               layer: int, selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D]; valid: [B, G] -> per-channel keys, per-token values
-        key_valid = None if valid is None else valid[:, None, :, None]
-        k = quantize(keys, per_layer(self.key_bits, layer), dim=-2, valid=key_valid)
+        key_bits, value_bits = per_layer(self.key_bits, layer), per_layer(self.value_bits, layer)
         if self.rotate in ("values", "both"):
             values = values @ self.rotation.to(values)
-        v = quantize_per_token(values, per_layer(self.value_bits, layer), self.value_group)
-        return k, v
+        if self.backend != "native":
+            return (quantize_rows(key_rows(keys, valid), key_bits, self.backend),
+                    quantize_rows(value_rows(values, self.value_group), value_bits, self.backend))
+        key_valid = None if valid is None else valid[:, None, :, None]
+        k = quantize(keys, key_bits, dim=-2, valid=key_valid)
+        return k, quantize_per_token(values, value_bits, self.value_group)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
-        values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
+        if self.backend != "native":
+            keys, values = _decode_rows(blocks, self.spec, dtype)
+        else:
+            keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
+            values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         if self.rotate in ("values", "both"):
             values = values @ self.rotation.to(values).T
         return keys, values
@@ -138,3 +157,13 @@ class KxVy(Method):
     def describe(self) -> str:
         return ("key bits = key_bits + 32/group; value bits = value_bits + 32/value_group "
                 "(budget mode: per-layer widths averaging the budget)")
+
+
+
+def _decode_rows(blocks: Blocks, spec: ModelSpec, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Library rows back to keys and values [B, n, H, G, D]."""
+    keys = dequantize_rows(blocks.keys, dtype)  # [B, n, H·D, G]
+    keys = keys.unflatten(-2, (spec.n_kv_heads, spec.head_dim)).transpose(-1, -2)
+    values = dequantize_rows(blocks.values, dtype)  # [B, n, H·G·D/Gv, Gv]
+    return keys, values.reshape(keys.shape)
