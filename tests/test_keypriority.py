@@ -1,0 +1,183 @@
+"""Key-priority: weight norms, the budget allocator, Hadamard rotation, quanto/HQQ backends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TINY, tiny_llama
+from transformers import LlamaConfig
+
+import kvmix
+from kvmix.allocation import allocate
+from kvmix.cache import KVMixCache, take_pending
+from kvmix.methods import parse_method
+from kvmix.methods.backends import dequantize_rows, quantize_rows
+from kvmix.transforms import hadamard
+from kvmix.weights import kv_weights, weight_norms
+
+H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
+
+
+def gaussian(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def test_norms_match_torch_linalg_on_known_weights():
+    model = tiny_llama()
+    attention = model.model.layers[1].self_attn
+    known_k = torch.diag(torch.arange(1.0, H * D + 1))[:, : TINY["hidden_size"]]  # spectral = 64
+    with torch.no_grad():
+        attention.k_proj.weight.copy_(known_k)
+        attention.v_proj.weight.copy_(torch.ones_like(attention.v_proj.weight))
+    norms = weight_norms(kv_weights(model))
+    assert norms["keys_spectral"][1].item() == pytest.approx(64.0)
+    assert norms["values_spectral"][1].item() == pytest.approx((H * D * TINY["hidden_size"]) ** 0.5)
+    for side, proj in (("keys", "k_proj"), ("values", "v_proj")):
+        for layer in range(2):
+            weight = getattr(model.model.layers[layer].self_attn, proj).weight.double()
+            assert norms[f"{side}_frobenius"][layer].item() == pytest.approx(
+                torch.linalg.matrix_norm(weight).item())
+            assert norms[f"{side}_spectral"][layer].item() == pytest.approx(
+                torch.linalg.matrix_norm(weight, ord=2).item())
+            per_head = torch.linalg.matrix_norm(weight.view(H, D, -1), ord=2)
+            torch.testing.assert_close(norms[f"{side}_spectral_heads"][layer], per_head)
+
+
+def test_fused_qkv_projections_are_split():
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Phi3ForCausalLM(Phi3Config(vocab_size=50, hidden_size=64, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, pad_token_id=0, eos_token_id=1,
+                                       bos_token_id=1))
+    weights = kv_weights(model)
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight  # [q (64); k (32); v (32)] rows
+    torch.testing.assert_close(weights[0].keys.flatten(0, 1), qkv[64:96])
+    torch.testing.assert_close(weights[0].values.flatten(0, 1), qkv[96:])
+
+
+def test_unsupported_projections_are_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="no attention modules with k_proj/v_proj or a fused"):
+        kv_weights(model)
+
+
+@pytest.mark.parametrize("budget, allowed", [(3, (1, 2, 3, 4, 8)), (2.5, (1, 2, 3, 4)),
+                                             (3, (2, 4)), (2, (1, 2, 3))])
+def test_allocator_meets_the_budget_exactly(budget, allowed):
+    weights = gaussian(7, 2).abs() * 10 + 0.1
+    bits = allocate(weights, budget, allowed)
+    assert bits.float().mean().item() == pytest.approx(budget)
+    assert set(bits.flatten().tolist()) <= set(allowed)
+
+
+def test_allocator_gives_the_larger_norm_side_more_bits():
+    weights = torch.tensor([[100.0, 1.0], [100.0, 1.0], [1.0, 100.0]])  # keys win in layers 0, 1
+    bits = allocate(weights, 3, (1, 2, 3, 4, 8))
+    assert (bits[:2, 0] > bits[:2, 1]).all() and bits[2, 1] > bits[2, 0]
+    uniform = torch.full_like(bits, 3)
+    proxy = lambda b: (weights * 4.0 ** -b.double()).sum()  # noqa: E731
+    assert proxy(bits) < proxy(uniform)
+
+
+def test_budget_mode_plans_per_layer_bits_from_the_model(tiny_model):
+    cache = kvmix.make_cache(tiny_model, "kxvy:budget=3,allowed=2/4,sink=4,residual=16,group=8")
+    plan = cache.method.plan
+    assert sum(plan["key_bits"]) + sum(plan["value_bits"]) == 3 * 2 * 2
+    with torch.no_grad():
+        tiny_model(torch.randint(1, 97, (1, 40)), cache=cache, use_cache=True)
+    assert [layer.blocks.keys.bits for layer in cache.layers] == plan["key_bits"]
+    with pytest.raises(ValueError, match="budget mode needs the model's W_K/W_V norms"):
+        KVMixCache("kxvy:budget=3", LlamaConfig(**TINY))
+    with pytest.raises(ValueError, match=r"budget=9\.0 is outside the allowed widths"):
+        kvmix.make_cache(tiny_model, "kxvy:budget=9.0")
+
+
+def test_hadamard_is_orthogonal_and_leaves_scores_unchanged():
+    h = hadamard(64, torch.float64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64, dtype=torch.float64))
+    q, k = gaussian(5, 64).double(), gaussian(7, 64, seed=1).double()
+    torch.testing.assert_close((q @ h) @ (k @ h).T, q @ k.T)
+    assert not torch.allclose(k @ h, k)
+    with pytest.raises(ValueError, match="power-of-two size; got 48"):
+        hadamard(48)
+
+
+def test_key_rotation_stores_rotated_keys_and_keeps_logits(tiny_model):
+    ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    layout = "key_bits=8,value_bits=8,sink=4,residual=16,group=8"
+    logits = {}
+    for rotate in ("none", "keys", "values", "both"):
+        cache = kvmix.make_cache(tiny_model, f"kxvy:{layout},rotate={rotate}")
+        with torch.no_grad():
+            logits[rotate] = tiny_model(ids, cache=cache, use_cache=True).logits
+            logits[rotate] = tiny_model(ids[:, :5], cache=cache, use_cache=True).logits
+        if rotate == "keys":
+            rotated = cache.layers[0]
+    for rotate in ("keys", "values", "both"):
+        torch.testing.assert_close(logits[rotate], logits["none"], rtol=0, atol=5e-3)
+    plain = kvmix.make_cache(tiny_model, f"kxvy:{layout}")
+    with torch.no_grad():
+        tiny_model(ids, cache=plain, use_cache=True)
+        tiny_model(ids[:, :5], cache=plain, use_cache=True)
+    h = hadamard(D)
+    torch.testing.assert_close(rotated.res_keys, plain.layers[0].res_keys @ h, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend, bits, slack", [("quanto", 2, 0.51), ("quanto", 4, 0.51),
+                                                  ("hqq", 1, 1.0), ("hqq", 2, 1.0),
+                                                  ("hqq", 4, 1.0), ("hqq", 8, 1.0)])
+def test_library_backends_round_trip_within_their_step(backend, bits, slack):
+    rows = gaussian(2, 24, 32) * 3
+    q = quantize_rows(rows, bits, backend)
+    step = (rows.amax(-1, keepdim=True) - rows.amin(-1, keepdim=True)) / (2**bits - 1)
+    error = (dequantize_rows(q, torch.float32) - rows).abs()
+    assert (error <= step * slack + 2e-2 * step + 1e-3).all() and error.mean() > 0
+    packed = q.data.numel() * q.data.element_size()
+    assert q.data.dtype == torch.uint8 and packed * 8 == rows.numel() * bits
+    assert q.scale.dtype == q.zero.dtype == torch.float16 and q.scale.shape == (2, 24, 1)
+
+
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_library_backends_in_the_cache_count_their_bytes(tiny_model, backend):
+    cache = kvmix.make_cache(tiny_model, f"kxvy:backend={backend},key_bits=4,value_bits=2,"
+                                          "sink=4,residual=16,group=8")
+    with torch.no_grad():
+        tiny_model(torch.randint(1, 97, (2, 45)), cache=cache, use_cache=True)
+    kinds = cache.nbytes_breakdown()
+    blocks = len(cache.layers[0].lengths) * 2 * 2 * H * 8 * D  # blocks·layers·B·H·G·D
+    assert kinds["codes"] * 8 == blocks * (4 + 2)
+    assert cache.nbytes() == cache.theoretical_nbytes()
+    native = kvmix.make_cache(tiny_model, "kxvy:key_bits=4,value_bits=2,sink=4,residual=16,group=8")
+    with torch.no_grad():
+        tiny_model(torch.randint(1, 97, (2, 45)), cache=native, use_cache=True)
+    assert native.nbytes() == cache.nbytes()
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("kxvy:backend=hqq,key_bits=3", r"backend='hqq' cannot store key/value widths of \[3\]"),
+    ("kxvy:backend=quanto,key_bits=1", r"backend='quanto' cannot store .* \[1\] bits"),
+    ("kxvy:backend=torchao", r"backend='torchao' is invalid; valid: native, quanto, hqq"),
+    ("kxvy:rotate=queries", r"rotate='queries' is invalid"),
+    ("kxvy:budget=3,allowed=2/3,backend=quanto", r"cannot store budget widths of \[3\]"),
+])
+def test_backend_and_rotation_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)
+
+
+def test_padding_stays_out_of_library_statistics():
+    keys = gaussian(1, H, 8, D)
+    keys[:, :, :3] = 1000.0  # padded positions
+    valid = torch.tensor([[False] * 3 + [True] * 5])
+    cache = KVMixCache("kxvy:backend=quanto,key_bits=4,value_bits=4,sink=0,residual=8,group=8",
+                       LlamaConfig(**TINY))
+    cache.update(keys, keys.clone(), 0)
+    take_pending().commit(gaussian(1, HQ, 8, D), valid[:, None, None, :])
+    decoded = cache.layers[0].decode_blocks()[0]
+    real = keys[:, :, 3:]
+    step = (real.amax(-2) - real.amin(-2)) / 15
+    assert ((decoded[:, :, 3:] - real).abs() <= step.unsqueeze(-2) * 0.51 + 1e-3).all()
