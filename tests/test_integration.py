@@ -142,3 +142,35 @@ def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):
     pnmix = {r["target_bits"]: r["token_kl"] for r in rows if r["family"] == "pnmix"}
     assert pnmix[3.0] < pnmix[1.5]
     assert (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+def test_key_priority_commands_on_the_real_model(real_model, tmp_path):
+    from kvmix.keyfirst import KeyfirstConfig, run_keyfirst
+    from kvmix.norms import NormsConfig, run_norms
+    from kvmix.recon import ReconConfig, run_recon
+
+    norms = run_norms(NormsConfig(out=str(tmp_path / "n")), loaded=real_model)
+    assert len(norms["rows"]) == 30 and (tmp_path / "n" / "norms.png").is_file()
+    assert 0 <= norms["summary"]["share_keys_larger_spectral"] <= 1
+    settings = {"K4V2": "kxvy:key_bits=4,value_bits=2", "K2V4": "kxvy:key_bits=2,value_bits=4",
+                "K4V2 rotate keys": "kxvy:key_bits=4,value_bits=2,rotate=keys"}
+    rows = run_keyfirst(KeyfirstConfig(settings=settings, context=160, eval_tokens=16, chunk=16,
+                                       out=str(tmp_path / "k")), loaded=real_model)
+    assert [r["label"] for r in rows] == list(settings)
+    assert rows[0]["nbytes"] == rows[1]["nbytes"] and all(r["token_kl"] > 0 for r in rows)
+    recon = run_recon(ReconConfig(bits=[2, 4], context=64, queries=4, out=str(tmp_path / "r")),
+                      loaded=real_model)
+    assert recon[0]["key_error"] > recon[1]["key_error"] > 0
+    assert recon[0]["value_error"] > recon[1]["value_error"] > 0
+    assert len(recon[0]["per_layer"]) == 30 and (tmp_path / "r" / "recon.png").is_file()
+
+
+def test_budget_plan_and_backends_on_the_real_model(real_model, prose_ids, full_scored):
+    budget = score(real_model.model, prose_ids, "kxvy:budget=3", CONTEXT, chunk=8)
+    assert budget.plan and len(budget.plan["key_bits"]) == 30
+    assert (sum(budget.plan["key_bits"]) + sum(budget.plan["value_bits"])) == 3 * 60
+    native = score(real_model.model, prose_ids, "kxvy", CONTEXT, chunk=8)
+    for backend in ("quanto", "hqq"):
+        library = score(real_model.model, prose_ids, f"kxvy:backend={backend}", CONTEXT, chunk=8)
+        assert library.nbytes == native.nbytes == library.theoretical_nbytes
+        assert token_kl(full_scored.logprobs, library.logprobs) < 0.5
