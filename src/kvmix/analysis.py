@@ -13,6 +13,7 @@ import torch
 
 from kvmix.attention import make_cache, observe_attention
 from kvmix.cache import take_pending
+from kvmix.folding import prepare_model
 from kvmix.importance import causal_pair_score, scores, spearman, top_overlap
 from kvmix.methods import Method
 from kvmix.rope import rope_pairs
@@ -55,7 +56,7 @@ def capture(model, ids: torch.Tensor, context: int) -> Captured:
 def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tensor:
     """KL(softmax with exact keys ‖ softmax with the method's keys) for the decode queries over
     the quantized context, per layer and query head, averaged over queries: [L, Hq]."""
-    cache = make_cache(model, method)
+    cache = make_cache(prepare_model(model, method), method)
     rows = []
     for layer in sorted(captured.keys):
         keys = captured.keys[layer]

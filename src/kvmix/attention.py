@@ -23,6 +23,7 @@ from kvmix.rope import rope_pairs
 from kvmix.weights import kv_weights, squared_frobenius
 
 NAME = "kvmix"
+FOLDED = "_kvmix_folded"  # set on kvmix's own folded copies (kvmix.folding), never on yours
 # Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 _OBSERVERS: list[Observer] = []
@@ -68,7 +69,8 @@ def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
     Sets the model's attention implementation to ``kvmix`` (SDPA plus the cache commit; for any
     other cache it behaves exactly as SDPA).
     """
-    cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model))
+    cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model),
+                       getattr(model, FOLDED, None))
     use_kvmix_attention(model)
     return cache
 

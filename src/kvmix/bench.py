@@ -14,6 +14,7 @@ import torch
 from rich.progress import Progress
 
 from kvmix.attention import make_cache
+from kvmix.folding import prepare_model
 from kvmix.jobs import JobConfig, finish, load_inputs
 from kvmix.methods import parse_method
 from kvmix.models import LoadedModel
@@ -52,7 +53,7 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
 @torch.no_grad()
 def _decode_speed(loaded: LoadedModel, ids: torch.Tensor, method: str, config: BenchConfig,
                   tick) -> dict:
-    model = loaded.model
+    model = prepare_model(loaded.model, method)
     cache = make_cache(model, method)
     logits = model(ids.to(model.device), cache=cache, use_cache=True).logits
     token = logits[:, -1:].argmax(-1)  # [1, 1]

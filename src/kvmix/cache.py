@@ -46,7 +46,7 @@ def take_pending() -> KVMixLayer | None:
 
 
 def model_spec(config: Any, pairs: torch.Tensor | None = None,
-               kv_norms: torch.Tensor | None = None) -> ModelSpec:
+               kv_norms: torch.Tensor | None = None, folded: str | None = None) -> ModelSpec:
     """The attention layout of a transformers config; a clear error when it is not there."""
     config = config.get_text_config(decoder=True)
     missing = [a for a in ("num_hidden_layers", "num_attention_heads") if not hasattr(config, a)]
@@ -61,7 +61,9 @@ def model_spec(config: Any, pairs: torch.Tensor | None = None,
     if heads % kv_heads:
         raise ValueError(f"num_attention_heads={heads} is not a multiple of "
                          f"num_key_value_heads={kv_heads}")
-    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim, pairs, kv_norms)
+    name = getattr(config, "_name_or_path", "") or ""
+    return ModelSpec(config.num_hidden_layers, heads, kv_heads, head_dim, pairs, kv_norms, name,
+                     folded)
 
 
 class KVMixLayer(CacheLayerMixin):
@@ -292,9 +294,9 @@ class KVMixCache(Cache):
     """A transformers Cache whose full-attention layers are packed by one kvmix method."""
 
     def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
-                 kv_norms: torch.Tensor | None = None):
+                 kv_norms: torch.Tensor | None = None, folded: str | None = None):
         self.method = parse_method(method)
-        self.spec = model_spec(config, pairs, kv_norms)
+        self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)

@@ -147,7 +147,7 @@ def _bench(args: argparse.Namespace) -> None:
 def _methods(args: argparse.Namespace) -> None:
     from kvmix.report import print_table
 
-    rows = [{"method": name, "about": cls.summary, "bits": cls().describe(),
+    rows = [{"method": name, "about": cls.summary, "bits": cls.describe(),
              "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
             for name, cls in method_classes().items()]
     rows += [{"method": name, "about": f"preset of {cls.name}",

@@ -16,6 +16,7 @@ import torch
 
 from kvmix.attention import make_cache
 from kvmix.cache import KVMixCache
+from kvmix.folding import prepare_model
 from kvmix.methods import Method
 
 
@@ -58,6 +59,7 @@ def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: i
     """
     check_lengths(context, ids.shape[1] - context - 1, chunk)
     ids = ids.to(model.device)
+    model = prepare_model(model, method)  # a folded copy for methods that fold into weights
     cache = make_cache(model, method)
     start = time.perf_counter()
     model(ids[:, :context], cache=cache, use_cache=True)

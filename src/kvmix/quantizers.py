@@ -126,3 +126,56 @@ def _codes(
     steps = (x - minimum) / safe
     steps = steps.floor() if center else steps.round()
     return steps.clamp_(0, 2**bits - 1).to(torch.uint8)
+
+
+# -- clipped quantizers (SPEC §3), per token over transformed channels -------------------------
+
+QUEST_CLIP = {1: 0.7979, 2: 1.4935, 3: 2.0511, 4: 2.5139, 8: 3.8849}
+
+
+@dataclass
+class SymmetricTensor:
+    """Symmetric midrise codes with one float16 step per group (no minimum)."""
+
+    codes: torch.Tensor = field(metadata={"kind": "codes"})  # [B, packed bytes] uint8
+    step: torch.Tensor = field(metadata={"kind": "scales"})  # [B, *stat shape] float16
+    shape: tuple[int, ...]
+    bits: int
+
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+
+def quest_quantize(x: torch.Tensor, bits: int, dim: int = -1) -> SymmetricTensor:
+    """QuEST INT: clip at α = c_b·RMS(group); 2^b midrise levels ±(j+½)Δ, Δ = 2α/(2^b−1), so the
+    outermost level is α itself (for 1 bit: ±0.7979·RMS = ±E|x| for a Gaussian). Nearest level.
+    x: [B, ...] -> codes in [0, 2^b) with level (code − 2^(b−1) + ½)·Δ; Δ kept in float16."""
+    check_bits(bits)
+    alpha = QUEST_CLIP[bits] * x.float().pow(2).mean(dim, keepdim=True).sqrt()
+    step = (2 * alpha / (2**bits - 1)).to(STAT_DTYPE)
+    safe = torch.where(step > 0, step, torch.ones_like(step)).to(x.dtype)
+    codes = (x / safe + 2 ** (bits - 1) - 0.5).round().clamp_(0, 2**bits - 1).to(torch.uint8)
+    return SymmetricTensor(pack(codes, bits), step, tuple(x.shape[1:]), bits)
+
+
+def quest_dequantize(q: SymmetricTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    rows = q.codes.shape[:-1]
+    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape).to(dtype)
+    return (codes - 2 ** (q.bits - 1) + 0.5) * q.step.to(dtype)
+
+
+def percentile_quantize(x: torch.Tensor, bits: int, percentile: float,
+                        dim: int = -1) -> QuantizedTensor:
+    """Affine min-max with the range [p-th, (100−p)-th percentile] of each group; values beyond
+    are clipped. The bounds are order statistics: exactly k = round(p/100·N) elements of a
+    group of N lie below the lower bound and k above the upper one (ties aside)."""
+    check_bits(bits)
+    size = x.shape[dim]
+    k = round(percentile / 100 * size)
+    lo = x.kthvalue(k + 1, dim, keepdim=True).values
+    hi = x.kthvalue(size - k, dim, keepdim=True).values
+    minimum = _round16(lo, down=True)
+    scale = _round16((hi - minimum.to(x.dtype)) / (2**bits - 1), down=False)
+    codes = _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center=False)
+    return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits)

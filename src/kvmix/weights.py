@@ -90,3 +90,19 @@ def squared_frobenius(weights: list[KVWeights]) -> torch.Tensor:
     """[L, 2]: ‖W_K,l‖²_F and ‖W_V,l‖²_F, the weights of the bit-allocation proxy."""
     return torch.tensor([[w.keys.double().pow(2).sum().item(),
                           w.values.double().pow(2).sum().item()] for w in weights])
+
+
+def output_weights(model: Any) -> list[torch.Tensor]:
+    """Per layer, W_O's columns grouped by KV head: [H_kv, g·hidden, D] (the rows of each query
+    head of the group stacked), the weight side of the value transforms."""
+    config = model.config.get_text_config(decoder=True)
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    out = []
+    for module in attention_modules(model):
+        if not hasattr(module, "o_proj"):
+            raise ValueError(f"layer {module.layer_idx} has no o_proj: unsupported layout")
+        weight = module.o_proj.weight.detach().double()  # [hidden, Hq·D]
+        per_head = weight.unflatten(1, (heads, -1)).permute(1, 0, 2)  # [Hq, hidden, D]
+        out.append(per_head.unflatten(0, (kv_heads, -1)).flatten(1, 2))  # [H, g·hidden, D]
+    return out

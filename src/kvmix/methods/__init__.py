@@ -81,8 +81,9 @@ def _parse_overrides(text: str, cls: type[Method]) -> dict[str, Any]:
 
 
 def _literal(raw: str) -> Any:
-    if "/" in raw:
-        return tuple(_literal(x) for x in raw.split("/"))
+    parts = raw.split("/")
+    if len(parts) > 1 and all(isinstance(_literal(p), (int, float)) for p in parts):
+        return tuple(_literal(p) for p in parts)  # a per-layer list; other slashes: a path
     if raw.lower() in ("true", "false"):
         return raw.lower() == "true"
     for kind in (int, float):
@@ -94,7 +95,7 @@ def _literal(raw: str) -> Any:
 
 
 # One line per method module: importing it registers it.
-from kvmix.methods import chanmix, full, kitty, kivi, kxvy, pnmix, polar  # noqa: E402,F401
+from kvmix.methods import chanmix, full, kitty, kivi, kxvy, pnmix, polar, wush  # noqa: E402, F401
 
 __all__ = [
     "Blocks",

@@ -29,6 +29,8 @@ class ModelSpec:
     head_dim: int
     pairs: torch.Tensor | None = None  # [D/2, 2] RoPE channel pairs read from the model
     kv_norms: torch.Tensor | None = None  # [L, 2] ‖W_K‖²_F, ‖W_V‖²_F per layer
+    name: str = ""  # the model's name or path, to refuse artifacts of another model
+    folded: str | None = None  # checksum of value transforms folded into W_V/W_O, if any
 
 
 @dataclass
@@ -124,7 +126,8 @@ class Method:
         """Bits per batch element and layer that ``select`` keeps for the whole generation."""
         return 0
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         """The bit formula, in words, for ``kvmix methods``."""
         return ""
 

@@ -91,7 +91,8 @@ class ChanMix(PerTokenValues):
     def selection_bits(self, spec: ModelSpec) -> int:
         return 2 * spec.n_kv_heads * spec.head_dim
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return ("key bits = Σ share·bits over classes 4/3/2/1 (2.0 by default) + 32/group "
                 "+ 2 class bits per channel, head and layer; "
                 "value bits = value_bits + 32/value_group")

@@ -37,5 +37,6 @@ class Full(Method):
         width = torch.finfo(dtype).bits
         return float(width), float(width)
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return "key bits = value bits = dtype bits"

@@ -39,6 +39,7 @@ class Kitty(PNMix):
         """Kitty promotes channels, not pairs: round(ratio·D)."""
         return round(self.ratio * head_dim)
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return ("key bits = low_bits + promoted share·(high_bits - low_bits) + 32/group "
                 "+ D mask bits per head; value bits = value_bits + 32/value_group")

@@ -154,7 +154,8 @@ class KxVy(Method):
         return (per_layer(self.key_bits, layer) + STAT_BITS / self.group,
                 per_layer(self.value_bits, layer) + STAT_BITS / self.value_group)
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return ("key bits = key_bits + 32/group; value bits = value_bits + 32/value_group "
                 "(budget mode: per-layer widths averaging the budget)")
 

@@ -150,7 +150,8 @@ class PNMix(PerTokenValues):
         units = spec.head_dim // 2 if self.criterion in PAIR_CRITERIA else spec.head_dim
         return spec.n_kv_heads * units
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return ("key bits = low_bits + high share·(high_bits - low_bits) + 32/group "
                 "(3/1: ratio·3 + (1-ratio)·1 + 32/group) + D/2 mask bits per head; "
                 "value bits = value_bits + 32/value_group")

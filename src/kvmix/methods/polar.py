@@ -56,7 +56,8 @@ class PolarQuant(PerTokenValues):
         key = (self.radius_bits + self.angle_bits) / 2 + STAT_BITS / self.group
         return key, self.value_bits_per_element()
 
-    def describe(self) -> str:
+    @classmethod
+    def describe(cls) -> str:
         return ("key bits = (radius_bits + angle_bits)/2 + 32/group; "
                 "value bits = value_bits + 32/value_group")
 

@@ -1,0 +1,114 @@
+"""``kvmix calibrate``: second moments of post-RoPE keys, the group's queries and values on
+calibration text, and the WUSH-KV transforms built from them (SPEC §5, seeds/004).
+
+Per layer and KV head: ``Σ_k = E[k kᵀ]``, ``Σ_q`` = the mean over the group's query heads of
+``E[q qᵀ]``, ``Σ_v = E[v vᵀ]``. Keys use the query side as their weight (W with WᵀW = Σ_q + λI);
+values use the W_O columns of the group's query heads. Every kind (identity, Hadamard, WUS, WUSH)
+is computed in float64 and saved to one safetensors file with the model name, shapes, damping,
+data and a checksum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from kvmix.attention import make_cache, observe_attention
+from kvmix.jobs import JobConfig, finish, load_inputs
+from kvmix.models import LoadedModel
+from kvmix.report import console
+from kvmix.transforms import KINDS, TransformSet, block_transform, save_transforms
+from kvmix.weights import output_weights
+
+
+@dataclass
+class CalibrateConfig(JobConfig):
+    data: str = "code"
+    tokens: int = 4096
+    chunk: int = 1024
+    block: int | None = None  # channels per transform block; default the head dim
+    damping: float = 0.01
+
+
+@torch.no_grad()
+def collect_moments(model, ids: torch.Tensor, chunk: int) -> dict[str, torch.Tensor]:
+    """Mean second moments over the tokens of ``ids``: keys, queries, values [L, H, D, D]."""
+    sums: dict[str, dict[int, torch.Tensor]] = {"keys": {}, "queries": {}, "values": {}}
+
+    def observe(layer: int, query, key, value, scaling) -> None:
+        new = query.shape[-2]
+        heads = key.shape[1]
+        grouped = query.double().unflatten(1, (heads, -1))  # [B, H, g, T, D]
+        parts = {"keys": key[..., -new:, :].double(), "values": value[..., -new:, :].double()}
+        moments = {side: torch.einsum("bhtd,bhte->hde", x, x) for side, x in parts.items()}
+        moments["queries"] = torch.einsum("bhgtd,bhgte->hde", grouped, grouped) / grouped.shape[2]
+        for side, moment in moments.items():
+            sums[side][layer] = sums[side].get(layer, 0) + moment
+
+    cache = make_cache(model, "full")
+    ids = ids.to(model.device)
+    with observe_attention(model, observe), Progress(console=console, transient=True) as bar:
+        task = bar.add_task("calibrating", total=ids.shape[1])
+        for start in range(0, ids.shape[1], chunk):
+            model(ids[:, start : start + chunk], cache=cache, use_cache=True)
+            bar.advance(task, min(chunk, ids.shape[1] - start))
+    count = ids.numel()
+    return {side: torch.stack([per[layer] for layer in sorted(per)]) / count
+            for side, per in sums.items()}
+
+
+def compute_transforms(model, moments: dict[str, torch.Tensor], block: int,
+                       damping: float) -> dict[str, dict[str, torch.Tensor]]:
+    """T_k and T_v [L, H, D, D] of every kind."""
+    outputs = output_weights(model)  # per layer [H, g·hidden, D]
+    layers, heads, dim, _ = moments["keys"].shape
+    eye = torch.eye(dim, dtype=torch.float64)
+    result: dict[str, dict[str, torch.Tensor]] = {"keys": {}, "values": {}}
+    for kind in KINDS:
+        keys, values = torch.empty(layers, heads, dim, dim, dtype=torch.float64), torch.empty(
+            layers, heads, dim, dim, dtype=torch.float64)
+        for layer in range(layers):
+            for head in range(heads):
+                sigma_q = moments["queries"][layer, head]
+                query_side = torch.linalg.cholesky(
+                    sigma_q + damping * sigma_q.diagonal().mean() * eye, upper=True)  # WᵀW ≈ Σ_q
+                keys[layer, head] = block_transform(moments["keys"][layer, head], query_side,
+                                                    kind, block, damping)
+                values[layer, head] = block_transform(moments["values"][layer, head],
+                                                      outputs[layer][head], kind, block, damping)
+        result["keys"][kind], result["values"][kind] = keys, values
+    return result
+
+
+def run_calibrate(config: CalibrateConfig, loaded: LoadedModel | None = None) -> TransformSet:
+    if not isinstance(config.tokens, int) or config.tokens < 16:
+        raise ValueError(f"tokens={config.tokens!r} is invalid; expected an integer >= 16")
+    if not config.damping > 0:
+        raise ValueError(f"damping={config.damping!r} is invalid; expected a number > 0")
+    loaded, ids = load_inputs(config, config.tokens, loaded)
+    spec = make_cache(loaded.model, "full").spec
+    block = config.block or spec.head_dim
+    if spec.head_dim % block or block & (block - 1):
+        raise ValueError(f"block={block} must be a power of two dividing the head dim "
+                         f"{spec.head_dim}")
+    moments = collect_moments(loaded.model, ids, config.chunk)
+    matrices = compute_transforms(loaded.model, moments, block, config.damping)
+    meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
+            "head_dim": str(spec.head_dim), "block": str(block), "damping": str(config.damping),
+            "data": config.data, "tokens": str(config.tokens)}
+    transforms = TransformSet(matrices["keys"], matrices["values"], meta)
+    rows = [{"side": side, "kind": kind,
+             "condition_median": torch.linalg.cond(t).median().item()}
+            for side in ("keys", "values") for kind, t in matrices[side].items()]
+    if config.out:
+        Path(config.out).mkdir(parents=True, exist_ok=True)
+        path = save_transforms(Path(config.out) / "transforms.safetensors", transforms)
+        console.print(f"wrote {path}")
+    finish("calibrate", config, loaded, rows, f"{config.data} · {config.tokens} tokens · block "
+           f"{block} · damping {config.damping}", {"side": "side", "kind": "kind",
+                                                   "condition_median": "median cond(T)"},
+           transforms=transforms.meta)
+    return transforms

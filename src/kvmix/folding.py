@@ -1,0 +1,64 @@
+"""Folding value transforms into the model's weights (SPEC §5), always on a copy.
+
+``v' = T_v v`` is produced by ``W_V ← T_v W_V`` (and its bias) and undone inside ``W_O`` for every
+query head of the group (``W_O,h ← W_O,h T_v^{-1}``), so values need no online work. The copy is
+marked with the transforms' checksum; the original model is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+
+from kvmix.attention import FOLDED
+from kvmix.methods import Method, parse_method
+from kvmix.weights import attention_modules
+
+_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@torch.no_grad()
+def fold_values(model: Any, values: torch.Tensor, fold_id: str) -> Any:
+    """A copy of ``model`` whose value projections produce T_v v; values: [L, H, D, D]."""
+    folded = copy.deepcopy(model)
+    config = model.config.get_text_config(decoder=True)
+    group = config.num_attention_heads // values.shape[1]
+    for module, transform in zip(attention_modules(folded), values, strict=True):
+        _fold_layer(module, transform, group)
+    setattr(folded, FOLDED, fold_id)
+    return folded
+
+
+def prepare_model(model: Any, method: str | Method) -> Any:
+    """The model a method runs on: ``model`` itself, or (for methods that fold value
+    transforms) a folded copy, made once per (model, transforms) and reused."""
+    method = parse_method(method)
+    fold = getattr(method, "value_fold", None)
+    needed = fold() if fold else None
+    if needed is None:
+        return model
+    values, fold_id = needed
+    copies = _COPIES.setdefault(model, {})
+    if fold_id not in copies:
+        copies[fold_id] = fold_values(model, values, fold_id)
+    return copies[fold_id]
+
+
+def _fold_layer(module: torch.nn.Module, transform: torch.Tensor, group: int) -> None:
+    # transform: [H, D, D] float64
+    if not (hasattr(module, "v_proj") and hasattr(module, "o_proj")):
+        raise ValueError(f"layer {module.layer_idx}: folding needs separate v_proj and o_proj")
+    v_proj, o_proj = module.v_proj, module.o_proj
+    heads, dim = transform.shape[0], transform.shape[-1]
+    weight = v_proj.weight.double().unflatten(0, (heads, dim))  # [H, D, hidden]
+    v_proj.weight.copy_((transform @ weight).flatten(0, 1).to(v_proj.weight.dtype))
+    if v_proj.bias is not None:
+        bias = v_proj.bias.double().view(heads, dim, 1)
+        v_proj.bias.copy_((transform @ bias).flatten().to(v_proj.bias.dtype))
+    inverse = torch.linalg.inv(transform).repeat_interleave(group, 0)  # [Hq, D, D]
+    out = o_proj.weight.double().unflatten(1, (-1, dim))  # [hidden, Hq, D]
+    out = torch.einsum("ohd,hde->ohe", out, inverse)
+    o_proj.weight.copy_(out.flatten(1, 2).to(o_proj.weight.dtype))

@@ -1,0 +1,129 @@
+"""``wush``: WUSH-KV, calibrated transforms with clipped quantizers (SPEC §5, seeds/004).
+
+Keys are transformed after RoPE as they enter the cache (``k' = T_k k``) and queries by
+``T_k^{-ᵀ}`` in the attention hook, so ``q'·k' = q·k``. Values are transformed by weights folded
+into W_V and W_O (``kvmix.folding.prepare_model`` makes the folded copy; the cache refuses a model
+that is not folded with these transforms), so they need no online work. Both are then quantized
+per token over each block of transformed channels with QuEST INT (``quantizer=quest``: symmetric,
+clip ``c_b·RMS``, one float16 step per group) or percentile-clipped affine
+(``quantizer=percentile``, ``percentile`` p: range [p-th, (100−p)-th percentile], float16 scale
+and minimum).
+
+Parameters: ``transforms`` (a file from ``kvmix calibrate``), ``transform`` (identity, hadamard,
+wus, wush), ``quantizer``, ``key_bits``, ``value_bits``, ``sink``, ``residual``, ``group``.
+Bits per element: ``bits + 16/block`` (QuEST) or ``bits + 32/block`` (percentile).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvmix.methods import register
+from kvmix.methods.base import Blocks, Method, ModelSpec, choice
+from kvmix.packing import check_bits
+from kvmix.quantizers import (
+    dequantize,
+    percentile_quantize,
+    quest_dequantize,
+    quest_quantize,
+)
+from kvmix.transforms import KINDS, TransformSet, load_transforms
+
+QUANTIZERS = ("quest", "percentile")
+
+
+@register
+@dataclass
+class Wush(Method):
+    """WUSH-KV: calibrated key/value transforms, then QuEST or percentile-clipped quantizers."""
+
+    name: ClassVar[str] = "wush"
+    summary: ClassVar[str] = "WUSH-KV: calibrated transforms + clipped per-token quantizers"
+
+    transforms: str = ""
+    transform: str = "wush"
+    quantizer: str = "quest"
+    percentile: float = 1.0
+    key_bits: int = 2
+    value_bits: int = 2
+    sink: int = 32
+    residual: int = 128
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        choice(self.transform, "transform", KINDS)
+        choice(self.quantizer, "quantizer", QUANTIZERS)
+        check_bits(self.key_bits, "key_bits")
+        check_bits(self.value_bits, "value_bits")
+        if not 0 <= self.percentile < 50:
+            raise ValueError(f"percentile={self.percentile!r} is invalid; expected [0, 50)")
+        if not self.transforms:
+            raise ValueError("wush needs transforms=PATH, a file made by kvmix calibrate")
+        self.loaded: TransformSet = load_transforms(self.transforms)
+
+    def bind(self, spec: ModelSpec) -> None:
+        meta = self.loaded.meta
+        shape = (str(spec.n_layers), str(spec.n_kv_heads), str(spec.head_dim))
+        if meta.get("model") != spec.name or (meta["layers"], meta["kv_heads"],
+                                              meta["head_dim"]) != shape:
+            raise ValueError(f"transforms={self.transforms!r} were calibrated for model "
+                             f"{meta.get('model')!r} ({meta.get('layers')} layers, "
+                             f"{meta.get('kv_heads')} KV heads, head dim {meta.get('head_dim')}),"
+                             f" not for {spec.name!r} ({', '.join(shape)})")
+        if spec.folded != self.fold_id:
+            raise ValueError("wush needs the model with its value transforms folded in: use "
+                             "kvmix.folding.prepare_model(model, method) and make the cache for "
+                             "the model it returns")
+        self.spec = spec
+        self.block = int(meta["block"])
+        keys = self.loaded.keys[self.transform]  # [L, H, D, D] float64
+        self.key_right = keys.transpose(-1, -2).float()  # k' = k @ T_kᵀ
+        self.query_right = torch.linalg.inv(keys).float()  # q' = q @ T_k^{-1}
+
+    @property
+    def fold_id(self) -> str:
+        return f"{self.loaded.checksum}:{self.transform}"
+
+    def value_fold(self) -> tuple[torch.Tensor, str] | None:
+        """What kvmix.folding folds into W_V/W_O for this method: (T_v [L, H, D, D], an id)."""
+        return self.loaded.values[self.transform], self.fold_id
+
+    def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
+        stats = 16 if self.quantizer == "quest" else 32
+        return self.key_bits + stats / self.block, self.value_bits + stats / self.block
+
+    @classmethod
+    def describe(cls) -> str:
+        return "bits + 16/block (quest) or + 32/block (percentile), for keys and values"
+
+    def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        return torch.einsum("bhtd,hde->bhte", keys, self.key_right[layer].to(keys))
+
+    def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        right = self.query_right[layer].to(queries)  # [H, D, D]
+        right = right.repeat_interleave(queries.shape[1] // right.shape[0], 0)
+        return torch.einsum("bhtd,hde->bhte", queries, right)
+
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+               layer: int, selection: Any) -> tuple[Any, Any]:
+        # keys, values: [B, H, G, D], already transformed -> per token, per block of channels
+        return self._quantize(keys, self.key_bits), self._quantize(values, self.value_bits)
+
+    def decode(self, blocks: Blocks, layer: int, selection: Any,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._dequantize(blocks.keys, dtype), self._dequantize(blocks.values, dtype)
+
+    def _quantize(self, x: torch.Tensor, bits: int):
+        grouped = x.unflatten(-1, (-1, self.block))  # [B, H, G, D/block, block]
+        if self.quantizer == "quest":
+            return quest_quantize(grouped, bits)
+        return percentile_quantize(grouped, bits, self.percentile)
+
+    def _dequantize(self, stored, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantizer == "quest":
+            return quest_dequantize(stored, dtype).flatten(-2)
+        return dequantize(stored, dtype).flatten(-2)
