@@ -7,6 +7,7 @@ import sys
 from dataclasses import fields
 
 from kvmix.bench import BenchConfig, run_bench
+from kvmix.calibration import CalibrateConfig, run_calibrate
 from kvmix.compare import CompareConfig, run_compare
 from kvmix.criteria import CriteriaConfig, run_criteria
 from kvmix.keyfirst import KeyfirstConfig, run_keyfirst
@@ -15,6 +16,7 @@ from kvmix.norms import NormsConfig, run_norms
 from kvmix.pairscore import PairscoreConfig, run_pairscore
 from kvmix.recon import ReconConfig, run_recon
 from kvmix.sweep import SweepConfig, run_sweep
+from kvmix.wushkv import TransformsConfig, run_export, run_transforms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +84,31 @@ def _parser() -> argparse.ArgumentParser:
     recon.add_argument("--group", type=int, default=ReconConfig.group)
     recon.add_argument("--value-group", type=int, default=ReconConfig.value_group)
     recon.set_defaults(run=lambda args: run_recon(_config(ReconConfig, args)))
+    calibrate = sub.add_parser("calibrate", help="WUSH-KV transforms from calibration text")
+    _common(calibrate, CalibrateConfig(), methods=False)
+    calibrate.add_argument("--tokens", type=int, default=CalibrateConfig.tokens)
+    calibrate.add_argument("--chunk", type=int, default=CalibrateConfig.chunk)
+    calibrate.add_argument("--block", type=int, default=None, help="default: the head dim")
+    calibrate.add_argument("--damping", type=float, default=CalibrateConfig.damping,
+                           help="λ as a share of the mean diagonal of each second moment")
+    calibrate.set_defaults(run=lambda args: run_calibrate(_config(CalibrateConfig, args)))
+    transforms = sub.add_parser("transforms", help="WUSH-KV transforms × quantizers at equal bits")
+    _common(transforms, TransformsConfig(), methods=False)
+    transforms.add_argument("--transforms", default="", help="file from kvmix calibrate "
+                            "(default: calibrate on --calib-data first)")
+    transforms.add_argument("--calib-data", default=TransformsConfig.calib_data)
+    transforms.add_argument("--calib-tokens", type=int, default=TransformsConfig.calib_tokens)
+    transforms.add_argument("--bits", type=int, default=TransformsConfig.bits)
+    transforms.add_argument("--queries", type=int, default=TransformsConfig.queries)
+    _lengths(transforms, TransformsConfig)
+    transforms.set_defaults(run=lambda args: run_transforms(_config(TransformsConfig, args)))
+    export = sub.add_parser("export", help="folded model + WUSH right-multipliers for serving")
+    export.add_argument("--model", default=CompareConfig.model)
+    export.add_argument("--dtype", default="auto")
+    export.add_argument("--transforms", required=True)
+    export.add_argument("--transform", default="wush")
+    export.add_argument("--out", required=True)
+    export.set_defaults(run=_export)
     listing = sub.add_parser("methods", help="list methods, presets, parameters, bit formulas")
     listing.set_defaults(run=_methods)
     return parser
@@ -117,7 +144,7 @@ def _config(cls, args: argparse.Namespace):
     for name in ("criteria", "families"):
         if name in values:
             values[name] = [c.strip() for c in values[name].split(",") if c.strip()]
-    if "bits" in values:
+    if isinstance(values.get("bits"), str):
         values["bits"] = [int(b) for b in values["bits"].split(",") if b.strip()]
     if "budgets" in values:
         values["budgets"] = [float(b) for b in values["budgets"].split(",") if b.strip()]
@@ -159,6 +186,13 @@ def _methods(args: argparse.Namespace) -> None:
 
 def _show(value) -> str:
     return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+
+def _export(args: argparse.Namespace) -> None:
+    from kvmix.models import load_model
+
+    run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))
 
 
 if __name__ == "__main__":

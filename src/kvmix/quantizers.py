@@ -168,14 +168,21 @@ def quest_dequantize(q: SymmetricTensor, dtype: torch.dtype = torch.float32) -> 
 def percentile_quantize(x: torch.Tensor, bits: int, percentile: float,
                         dim: int = -1) -> QuantizedTensor:
     """Affine min-max with the range [p-th, (100−p)-th percentile] of each group; values beyond
-    are clipped. The bounds are order statistics: exactly k = round(p/100·N) elements of a
-    group of N lie below the lower bound and k above the upper one (ties aside)."""
+    are clipped. The bounds are order statistics (``percentile_bounds``): exactly k = round(p/100·N)
+    elements of a group of N lie below the lower bound and k above the upper one (ties aside);
+    the stored float16 grid covers them."""
     check_bits(bits)
-    size = x.shape[dim]
-    k = round(percentile / 100 * size)
-    lo = x.kthvalue(k + 1, dim, keepdim=True).values
-    hi = x.kthvalue(size - k, dim, keepdim=True).values
+    lo, hi = percentile_bounds(x, percentile, dim)
     minimum = _round16(lo, down=True)
     scale = _round16((hi - minimum.to(x.dtype)) / (2**bits - 1), down=False)
     codes = _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center=False)
     return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits)
+
+
+def percentile_bounds(x: torch.Tensor, percentile: float,
+                      dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (k+1)-th smallest and (k+1)-th largest values along ``dim``, k = round(p/100·N)."""
+    size = x.shape[dim]
+    k = round(percentile / 100 * size)
+    lo = x.kthvalue(k + 1, dim, keepdim=True).values
+    return lo, x.kthvalue(size - k, dim, keepdim=True).values

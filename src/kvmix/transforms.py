@@ -30,7 +30,8 @@ def block_transform(sigma: torch.Tensor, weight: torch.Tensor, kind: str, block:
     moment ``sigma`` [D, D] multiplied by ``weight`` [m, D] (SPEC §5):
 
     ``UᵀU = Σ + λI`` (upper Cholesky), ``U Wᵀ = V S Yᵀ`` (SVD), ``T = H·diag(s^½)·Vᵀ·U^{−ᵀ}``;
-    ``wus`` omits H. λ = ``damping`` × the block's mean diagonal, so a singular moment works.
+    ``wus`` omits H. λ = ``damping`` × the block's mean diagonal, so a singular moment works,
+    and singular values below ``damping`` × the largest are raised to it, so T stays invertible.
     """
     if kind not in KINDS:
         raise ValueError(f"transform={kind!r} is invalid; valid: {', '.join(KINDS)}")
@@ -53,7 +54,9 @@ def _one_block(sigma: torch.Tensor, weight: torch.Tensor, kind: str,
     damped = sigma + damping * sigma.diagonal().mean().clamp_min(1e-12) * torch.eye(
         size, dtype=torch.float64)
     upper = torch.linalg.cholesky(damped, upper=True)  # UᵀU = Σ + λI
-    left, singular, _ = torch.linalg.svd(upper @ weight.T, full_matrices=False)  # U Wᵀ = V S Yᵀ
+    left, singular, _ = torch.linalg.svd(upper @ weight.T)  # U Wᵀ = V S Yᵀ, V square
+    singular = torch.cat([singular, singular.new_zeros(size - singular.numel())])
+    singular = singular.clamp_min(damping * singular.max())  # keep T invertible when W is thin
     inverse = torch.linalg.solve_triangular(upper, torch.eye(size, dtype=torch.float64),
                                             upper=True)  # U^{-1}
     transform = torch.diag(singular.sqrt()) @ left.T @ inverse.T  # diag(s^½)·Vᵀ·U^{-ᵀ}

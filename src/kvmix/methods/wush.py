@@ -64,6 +64,7 @@ class Wush(Method):
         if not self.transforms:
             raise ValueError("wush needs transforms=PATH, a file made by kvmix calibrate")
         self.loaded: TransformSet = load_transforms(self.transforms)
+        self.block = int(self.loaded.meta["block"])
 
     def bind(self, spec: ModelSpec) -> None:
         meta = self.loaded.meta
@@ -79,7 +80,6 @@ class Wush(Method):
                              "kvmix.folding.prepare_model(model, method) and make the cache for "
                              "the model it returns")
         self.spec = spec
-        self.block = int(meta["block"])
         keys = self.loaded.keys[self.transform]  # [L, H, D, D] float64
         self.key_right = keys.transpose(-1, -2).float()  # k' = k @ T_kᵀ
         self.query_right = torch.linalg.inv(keys).float()  # q' = q @ T_k^{-1}
@@ -111,19 +111,22 @@ class Wush(Method):
     def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
                layer: int, selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D], already transformed -> per token, per block of channels
-        return self._quantize(keys, self.key_bits), self._quantize(values, self.value_bits)
+        return (self.quantize_tokens(keys, self.key_bits),
+                self.quantize_tokens(values, self.value_bits))
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._dequantize(blocks.keys, dtype), self._dequantize(blocks.values, dtype)
+        return (self.dequantize_tokens(blocks.keys, dtype),
+                self.dequantize_tokens(blocks.values, dtype))
 
-    def _quantize(self, x: torch.Tensor, bits: int):
+    def quantize_tokens(self, x: torch.Tensor, bits: int):
+        """x: [B, H, T, D] transformed -> per token, per block of channels."""
         grouped = x.unflatten(-1, (-1, self.block))  # [B, H, G, D/block, block]
         if self.quantizer == "quest":
             return quest_quantize(grouped, bits)
         return percentile_quantize(grouped, bits, self.percentile)
 
-    def _dequantize(self, stored, dtype: torch.dtype) -> torch.Tensor:
+    def dequantize_tokens(self, stored, dtype: torch.dtype) -> torch.Tensor:
         if self.quantizer == "quest":
             return quest_dequantize(stored, dtype).flatten(-2)
         return dequantize(stored, dtype).flatten(-2)
