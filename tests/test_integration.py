@@ -174,3 +174,24 @@ def test_budget_plan_and_backends_on_the_real_model(real_model, prose_ids, full_
         library = score(real_model.model, prose_ids, f"kxvy:backend={backend}", CONTEXT, chunk=8)
         assert library.nbytes == native.nbytes == library.theoretical_nbytes
         assert token_kl(full_scored.logprobs, library.logprobs) < 0.5
+
+
+def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_path):
+    from kvmix.calibration import CalibrateConfig, run_calibrate
+    from kvmix.wushkv import TransformsConfig, run_export, run_transforms
+
+    transforms = run_calibrate(CalibrateConfig(data="code", tokens=384, chunk=192,
+                                               out=str(tmp_path / "cal")), loaded=real_model)
+    assert transforms.meta["data"] == "code" and transforms.meta["layers"] == "30"
+    path = tmp_path / "cal" / "transforms.safetensors"
+    rows = run_transforms(TransformsConfig(transforms=str(path), kinds=["identity", "wush"],
+                                           quantizers=["quest"], context=192, eval_tokens=16,
+                                           queries=8, chunk=16, out=str(tmp_path / "t")),
+                          loaded=real_model)
+    assert [(r["transform"], r["quantizer"]) for r in rows] == [("identity", "quest"),
+                                                                ("wush", "quest")]
+    assert all(r["token_kl"] > 0 and len(r["per_layer"]["keys"]) == 30 for r in rows)
+    assert rows[1]["key_score_error"] < rows[0]["key_score_error"]  # calibrated on other text
+    assert (tmp_path / "t" / "keys_error.png").is_file()
+    exported = run_export(str(path), "wush", str(tmp_path / "e"), real_model)
+    assert (exported["model"] / "config.json").is_file() and exported["multipliers"].is_file()
