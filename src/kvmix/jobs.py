@@ -10,8 +10,10 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from kvmix.attention import make_cache
 from kvmix.data import load_text, token_ids
 from kvmix.evaluate import Scored, score
+from kvmix.folding import prepare_model
 from kvmix.models import DEFAULT_MODEL, LoadedModel, load_model, model_info
 from kvmix.report import console, print_table, write_results
 
@@ -38,6 +40,8 @@ def load_inputs(config: Any, n_tokens: int,
 def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], context: int,
                   chunk: int) -> dict[str, Scored]:
     """Score each distinct method string once, in order, over the same tokens."""
+    for method in dict.fromkeys(methods):  # every method binds to the model before any work
+        make_cache(prepare_model(loaded.model, method), method)
     results: dict[str, Scored] = {}
     with Progress(console=console, transient=True) as bar:
         for method in dict.fromkeys(methods):
