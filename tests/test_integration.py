@@ -194,4 +194,12 @@ def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_pat
     assert rows[1]["key_score_error"] < rows[0]["key_score_error"]  # calibrated on other text
     assert (tmp_path / "t" / "keys_error.png").is_file()
     exported = run_export(str(path), "wush", str(tmp_path / "e"), real_model)
-    assert (exported["model"] / "config.json").is_file() and exported["multipliers"].is_file()
+    assert exported["multipliers"].is_file()
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(exported["model"])  # values folded in
+    ids = torch.arange(100, 120)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, real_model.model(ids).logits,
+                                   rtol=0, atol=1e-3)
+    assert real_model.model.hf_quantizer is not None  # the user's model is untouched

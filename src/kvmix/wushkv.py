@@ -110,11 +110,24 @@ def run_export(transforms: str, transform: str, model_out: str,
     folded = prepare_model(loaded.model, method)
     out = Path(model_out)
     out.mkdir(parents=True, exist_ok=True)
+    _drop_gguf_marker(folded)
     folded.save_pretrained(out / "model")
     loaded.tokenizer.save_pretrained(out / "model")
     path = save_multipliers(out / "right_multipliers.safetensors", method.loaded, transform)
     console.print(f"wrote {out / 'model'} and {path}")
     return {"model": out / "model", "multipliers": path}
+
+
+def _drop_gguf_marker(model) -> None:
+    """GGUF loading dequantizes every tensor; only its marker, which blocks save_pretrained, is
+    left. kvmix's folded copy drops it (the user's model keeps it)."""
+    config = getattr(model.config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(
+        config, "quant_method", None)
+    if getattr(method, "value", method) == "gguf":
+        model.hf_quantizer = None
+        model.is_quantized = False
+        del model.config.quantization_config
 
 
 def right_multipliers(transforms: TransformSet, transform: str) -> dict[str, torch.Tensor]:
