@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.evaluate import Scored, check_lengths, token_kl
+from kvmix.evaluate import Scored, check_lengths, summary
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
 from kvmix.models import LoadedModel
@@ -45,22 +45,9 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
 
 
 def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) -> dict:
-    key_bits, value_bits = scored.bits
-    return {
-        "method": text,
-        "resolved": repr(method),
-        "key_bits": key_bits,
-        "value_bits": value_bits,
-        "nbytes": scored.nbytes,
-        "nbytes_theoretical": scored.theoretical_nbytes,
-        "nbytes_breakdown": scored.nbytes_breakdown,
-        "nbytes_fp16": scored.nbytes_fp16,
-        "nbytes_dtype": scored.nbytes_fp16 * dtype.itemsize // 2,
-        "ratio_fp16": scored.nbytes / scored.nbytes_fp16,
-        "ratio_dtype": scored.nbytes / (scored.nbytes_fp16 * dtype.itemsize / 2),
-        "ppl": scored.ppl,
-        "delta_ppl": scored.ppl - full.ppl,
-        "token_kl": token_kl(full.logprobs, scored.logprobs),
-        "seconds": scored.seconds,
-        "plan": scored.plan,
-    }
+    return {"method": text, "resolved": repr(method), **summary(scored, full),
+            "nbytes_theoretical": scored.theoretical_nbytes,
+            "nbytes_breakdown": scored.nbytes_breakdown,
+            "nbytes_dtype": scored.nbytes_fp16 * dtype.itemsize // 2,
+            "ratio_dtype": scored.nbytes / (scored.nbytes_fp16 * dtype.itemsize / 2),
+            "plan": scored.plan}

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmix.analysis import attention_kl, capture
-from kvmix.evaluate import check_lengths, token_kl
+from kvmix.evaluate import check_lengths, summary
 from kvmix.importance import CRITERIA
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
@@ -47,11 +47,9 @@ def run_criteria(config: CriteriaConfig, loaded: LoadedModel | None = None) -> l
     for criterion, method in zip(config.criteria, methods, strict=True):
         per_layer = attention_kl(loaded.model, captured, method).mean(-1)  # [L]
         rows.append({"criterion": criterion, "method": method,
-                     "key_bits": scored[method].bits[0],
+                     **summary(scored[method], scored["full"]),
                      "attention_kl": per_layer.mean().item(),
-                     "attention_kl_per_layer": per_layer.tolist(),
-                     "token_kl": token_kl(scored["full"].logprobs, scored[method].logprobs),
-                     "ppl": scored[method].ppl})
+                     "attention_kl_per_layer": per_layer.tolist()})
     plot = _plot(config, rows)
     finish("criteria", config, loaded, rows, f"{config.data} · context {config.context} · "
            f"{config.base}", COLUMNS, plots=[str(plot)] if plot else [])

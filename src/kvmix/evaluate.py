@@ -84,3 +84,11 @@ def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
 def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
     """Mean over positions of KL(reference ‖ other); both [N, V] log-probabilities."""
     return (reference.exp() * (reference - other)).sum(-1).mean().item()
+
+
+def summary(scored: Scored, full: Scored) -> dict:
+    """The figures every report gives for one method, measured against the ``full`` cache."""
+    return {"key_bits": scored.bits[0], "value_bits": scored.bits[1], "nbytes": scored.nbytes,
+            "nbytes_fp16": scored.nbytes_fp16, "ratio_fp16": scored.nbytes / scored.nbytes_fp16,
+            "ppl": scored.ppl, "delta_ppl": scored.ppl - full.ppl,
+            "token_kl": token_kl(full.logprobs, scored.logprobs), "seconds": scored.seconds}

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluate import check_lengths, token_kl
+from kvmix.evaluate import check_lengths, summary
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
 from kvmix.models import LoadedModel
@@ -53,11 +53,7 @@ def run_keyfirst(config: KeyfirstConfig, loaded: LoadedModel | None = None) -> l
     full = scored["full"]
     rows = []
     for label, method in config.settings.items():
-        result = scored[method]
-        rows.append({"label": label, "method": method, "key_bits": result.bits[0],
-                     "value_bits": result.bits[1], "nbytes": result.nbytes,
-                     "ratio_fp16": result.nbytes / result.nbytes_fp16,
-                     "token_kl": token_kl(full.logprobs, result.logprobs), "ppl": result.ppl})
+        rows.append({"label": label, "method": method, **summary(scored[method], full)})
     plots = [str(_plot(config, rows))] if config.out else []
     finish("keyfirst", config, loaded, rows, f"{config.data} · context {config.context} · "
            f"full ppl {full.ppl:.4g}", COLUMNS, plots=plots)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluate import check_lengths, token_kl
+from kvmix.evaluate import check_lengths, summary
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
 from kvmix.models import LoadedModel
@@ -70,10 +70,7 @@ def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[di
     scored = score_methods(loaded, ids, ["full"] + [m for _, _, m in points], config.context,
                            config.chunk)
     rows = [{"family": family, "target_bits": target, "setting": method.partition(":")[2],
-             "method": method, "key_bits": scored[method].bits[0],
-             "value_bits": scored[method].bits[1], "nbytes": scored[method].nbytes,
-             "token_kl": token_kl(scored["full"].logprobs, scored[method].logprobs),
-             "ppl": scored[method].ppl}
+             "method": method, **summary(scored[method], scored["full"])}
             for family, target, method in points]
     plots = [str(_plot(config, rows))] if config.out else []
     finish("sweep", config, loaded, rows, f"{config.data} · context {config.context} · "

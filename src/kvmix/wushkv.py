@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from kvmix.analysis import Captured, capture
 from kvmix.calibration import CalibrateConfig, run_calibrate
-from kvmix.evaluate import check_lengths, token_kl
+from kvmix.evaluate import check_lengths, summary
 from kvmix.folding import prepare_model
 from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
@@ -68,11 +68,10 @@ def run_transforms(config: TransformsConfig, loaded: LoadedModel | None = None) 
     for (kind, quantizer), method in methods.items():
         errors = layer_errors(captured, parse_method(method), outputs, config.bits)
         rows.append({"transform": kind, "quantizer": quantizer, "method": method,
-                     "key_bits": scored[method].bits[0], "value_bits": scored[method].bits[1],
+                     **summary(scored[method], scored["full"]),
                      "key_score_error": sum(errors["keys"]) / len(errors["keys"]),
                      "value_output_error": sum(errors["values"]) / len(errors["values"]),
-                     "per_layer": errors, "ppl": scored[method].ppl,
-                     "token_kl": token_kl(scored["full"].logprobs, scored[method].logprobs)})
+                     "per_layer": errors})
     plots = _plot(config, rows) if config.out else []
     finish("transforms", config, loaded, rows, f"{config.data} · {config.bits}-bit · context "
            f"{config.context} · calibrated on {config.calib_data}", COLUMNS,
