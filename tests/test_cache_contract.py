@@ -13,7 +13,7 @@ import torch
 from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
-from kvmix.cache import KVMixCache, take_pending
+from kvmix.cache import KVMixCache, model_spec, take_pending
 from kvmix.calibration import collect_moments, compute_transforms
 from kvmix.methods import method_names, parse_method
 from kvmix.transforms import TransformSet, save_transforms
@@ -49,9 +49,9 @@ def make(name: str, **layout) -> KVMixCache:
         name = f"wush:transforms={tiny_transforms()}" + (f",{overrides}" if overrides else "")
     spec = name + ("," if ":" in name else ":") + ",".join(f"{k}={v}" for k, v in layout.items())
     method = parse_method(spec)
-    # wush's values come from a folded model; the layer contract itself does not need one
-    folded = method.fold_id if wush else None
-    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=folded)
+    # values of wush / rotate=values come from a folded model; the layer contract needs none
+    fold = method.value_fold(model_spec(LlamaConfig(**TINY)))
+    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None)
 
 
 def feed(cache: KVMixCache, tokens: int, seed: int = 0, dtype=torch.float16) -> None:

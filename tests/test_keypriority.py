@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 import kvmix
 from kvmix.allocation import allocate
 from kvmix.cache import KVMixCache, take_pending
+from kvmix.folding import prepare_model
 from kvmix.methods import parse_method
 from kvmix.methods.backends import dequantize_rows, quantize_rows
 from kvmix.transforms import hadamard
@@ -109,22 +110,34 @@ def test_hadamard_is_orthogonal_and_leaves_scores_unchanged():
 def test_key_rotation_stores_rotated_keys_and_keeps_logits(tiny_model):
     ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(3))
     layout = "key_bits=8,value_bits=8,sink=4,residual=16,group=8"
-    logits = {}
+    logits, layers = {}, {}
     for rotate in ("none", "keys", "values", "both"):
-        cache = kvmix.make_cache(tiny_model, f"kxvy:{layout},rotate={rotate}")
+        method = f"kxvy:{layout},rotate={rotate}"
+        runner = prepare_model(tiny_model, method)
+        cache = kvmix.make_cache(runner, method)
         with torch.no_grad():
-            logits[rotate] = tiny_model(ids, cache=cache, use_cache=True).logits
-            logits[rotate] = tiny_model(ids[:, :5], cache=cache, use_cache=True).logits
-        if rotate == "keys":
-            rotated = cache.layers[0]
+            runner(ids, cache=cache, use_cache=True)
+            logits[rotate] = runner(ids[:, :5], cache=cache, use_cache=True).logits
+        layers[rotate] = cache.layers[0]
     for rotate in ("keys", "values", "both"):
         torch.testing.assert_close(logits[rotate], logits["none"], rtol=0, atol=5e-3)
-    plain = kvmix.make_cache(tiny_model, f"kxvy:{layout}")
-    with torch.no_grad():
-        tiny_model(ids, cache=plain, use_cache=True)
-        tiny_model(ids[:, :5], cache=plain, use_cache=True)
     h = hadamard(D)
-    torch.testing.assert_close(rotated.res_keys, plain.layers[0].res_keys @ h, rtol=0, atol=1e-5)
+    torch.testing.assert_close(layers["keys"].res_keys, layers["none"].res_keys @ h,
+                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(layers["values"].res_values, layers["none"].res_values @ h,
+                               rtol=0, atol=1e-5)  # values arrive rotated from the folded W_V
+
+
+def test_value_rotation_folds_into_a_copy_and_refuses_an_unfolded_model(tiny_model):
+    method = "kxvy:rotate=values,sink=4,residual=16,group=8"
+    folded = prepare_model(tiny_model, method)
+    ids = torch.randint(1, 97, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(folded(ids).logits, tiny_model(ids).logits, rtol=0, atol=1e-4)
+    assert not torch.equal(folded.model.layers[0].self_attn.v_proj.weight,
+                           tiny_model.model.layers[0].self_attn.v_proj.weight)
+    with pytest.raises(ValueError, match="rotate='values' needs the model with the value"):
+        kvmix.make_cache(tiny_model, method)
 
 
 @pytest.mark.parametrize("backend, bits, slack", [("quanto", 2, 0.51), ("quanto", 4, 0.51),

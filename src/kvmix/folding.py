@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kvmix.attention import FOLDED
+from kvmix.cache import model_spec
 from kvmix.methods import Method, parse_method
 from kvmix.weights import attention_modules
 
@@ -36,8 +37,7 @@ def prepare_model(model: Any, method: str | Method) -> Any:
     """The model a method runs on: ``model`` itself, or (for methods that fold value
     transforms) a folded copy, made once per (model, transforms) and reused."""
     method = parse_method(method)
-    fold = getattr(method, "value_fold", None)
-    needed = fold() if fold else None
+    needed = method.value_fold(model_spec(model.config))
     if needed is None:
         return model
     values, fold_id = needed

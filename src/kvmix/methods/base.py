@@ -103,6 +103,11 @@ class Method:
         """Applied to queries [B, Hq, q, D] in the attention hook, so that q'·k' = q·k."""
         return queries
 
+    def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
+        """A value transform T_v [L, H, D, D] to fold into W_V/W_O of a model copy (and the id
+        that marks the copy), or None. kvmix.folding.prepare_model applies it."""
+        return None
+
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
                 valid: torch.Tensor | None, layer: int) -> Any:
         """After each later attention call: the new tokens' queries and keys ([B, H, q, D])."""

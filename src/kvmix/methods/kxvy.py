@@ -12,8 +12,9 @@ the plan is kept in ``plan`` and printed by the commands.
 
 ``rotate``: ``keys`` multiplies keys by a normalized Hadamard matrix H as they enter the cache
 (after RoPE) and queries by the same H in the attention hook, so ``q'·k' = q·k`` and only the
-quantization sees the rotated basis; ``values`` quantizes ``v·H`` and returns ``v̂'·Hᵀ``, which is
-exactly folding H into W_V and Hᵀ into W_O, without touching the model; ``both`` does both.
+quantization sees the rotated basis; ``values`` folds H into W_V and Hᵀ into W_O of a copy of the
+model (``kvmix.folding.prepare_model``; the cache refuses an unfolded model), so the values
+arrive rotated and need no online work; ``both`` does both.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from kvmix.transforms import hadamard
 
 Bits = int | tuple[int, ...]
 ROTATIONS = ("none", "keys", "values", "both")
+VALUE_ROTATION = "hadamard-values"  # marks a model copy with H folded into W_V/W_O
 
 
 def per_layer(bits: Bits, layer: int) -> int:
@@ -100,6 +102,10 @@ class KxVy(Method):
         if self.budget is not None:
             self._allocate(spec)
         self.rotation = hadamard(spec.head_dim) if self.rotate != "none" else None
+        if self.rotate in ("values", "both") and spec.folded != VALUE_ROTATION:
+            raise ValueError(f"rotate={self.rotate!r} needs the model with the value rotation "
+                             "folded into W_V/W_O: use kvmix.folding.prepare_model(model, method) "
+                             "and make the cache for the model it returns")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if not isinstance(bits, int) and len(bits) != spec.n_layers:
@@ -120,6 +126,13 @@ class KxVy(Method):
         self.key_bits, self.value_bits = tuple(plan[:, 0].tolist()), tuple(plan[:, 1].tolist())
         self.plan = {"key_bits": list(self.key_bits), "value_bits": list(self.value_bits)}
 
+    def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
+        """The Hadamard rotation kvmix.folding folds into W_V/W_O: ([L, H, D, D], an id)."""
+        if self.rotate not in ("values", "both"):
+            return None
+        rotation = hadamard(spec.head_dim, torch.float64)
+        return rotation.expand(spec.n_layers, spec.n_kv_heads, -1, -1), VALUE_ROTATION
+
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
         return keys @ self.rotation.to(keys) if self.rotate in ("keys", "both") else keys
 
@@ -130,8 +143,6 @@ class KxVy(Method):
                layer: int, selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D]; valid: [B, G] -> per-channel keys, per-token values
         key_bits, value_bits = per_layer(self.key_bits, layer), per_layer(self.value_bits, layer)
-        if self.rotate in ("values", "both"):
-            values = values @ self.rotation.to(values)
         if self.backend != "native":
             return (quantize_rows(key_rows(keys, valid), key_bits, self.backend),
                     quantize_rows(value_rows(values, self.value_group), value_bits, self.backend))
@@ -146,8 +157,6 @@ class KxVy(Method):
         else:
             keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
             values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
-        if self.rotate in ("values", "both"):
-            values = values @ self.rotation.to(values).T
         return keys, values
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:

@@ -88,7 +88,7 @@ class Wush(Method):
     def fold_id(self) -> str:
         return f"{self.loaded.checksum}:{self.transform}"
 
-    def value_fold(self) -> tuple[torch.Tensor, str] | None:
+    def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
         """What kvmix.folding folds into W_V/W_O for this method: (T_v [L, H, D, D], an id)."""
         return self.loaded.values[self.transform], self.fold_id
 
