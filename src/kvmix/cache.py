@@ -26,7 +26,7 @@ from transformers.cache_utils import (
 )
 
 from kvmix.methods import Blocks, Method, ModelSpec, parse_method
-from kvmix.tree import map_tensors, tensor_bytes, zip_tensors
+from kvmix.tree import combine, map_tensors, tensor_bytes
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
 
@@ -154,7 +154,7 @@ class KVMixLayer(CacheLayerMixin):
 
     # -- kvmix ---------------------------------------------------------------------------
 
-    def materialize(self) -> torch.Tensor:
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference attention path: every held token, blocks decoded (never re-encoded)."""
         keys, values = self.decode_blocks()
         keys = torch.cat([self.sink_keys, keys, self.res_keys], dim=-2)
@@ -187,8 +187,11 @@ class KVMixLayer(CacheLayerMixin):
             self.selection = self.method.observe(self.selection, queries, new_keys, valid,
                                                  self.layer_idx)
         self._fill_sink()
+        fresh = []  # a long prompt flushes many blocks: stack them onto the history once
         while self.res_keys.shape[-2] >= self.method.residual:
-            self._flush(valid)
+            fresh.append(self._encode_oldest(valid))
+        if fresh:
+            self._append(fresh)
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens of every segment, in order."""
@@ -241,17 +244,21 @@ class KVMixLayer(CacheLayerMixin):
         self.sink_keys = torch.cat([self.sink_keys, keys], dim=-2)
         self.sink_values = torch.cat([self.sink_values, values], dim=-2)
 
-    def _flush(self, valid: torch.Tensor | None) -> None:
+    def _encode_oldest(self, valid: torch.Tensor | None) -> Blocks:
+        """Encode (once) the oldest ``group`` residual tokens -> a block, tensors [B, 1, ...]."""
         g = self.method.group
         start = self.get_seq_length() - self.res_keys.shape[-2]
         keys, values = self._pop_residual(g)  # [B, H, G, D]
         _check_finite(keys, values, self.layer_idx)
         block_valid = None if valid is None else valid[:, start : start + g]  # [B, G]
         state = self.method.encode(keys, values, block_valid, self.layer_idx, self.selection)
-        block = map_tensors(Blocks(*state), lambda t: t.unsqueeze(1))  # [B, 1, ...]
-        self.blocks = block if self.blocks is None else zip_tensors(
-            self.blocks, block, lambda old, new: torch.cat([old, new], dim=1))
         self.lengths.append(g)
+        return map_tensors(Blocks(*state), lambda t: t.unsqueeze(1))
+
+    def _append(self, fresh: list[Blocks]) -> None:
+        """Stack new blocks after the held ones along the block axis (no re-encoding)."""
+        parts = fresh if self.blocks is None else [self.blocks, *fresh]
+        self.blocks = combine(parts, lambda tensors: torch.cat(tensors, dim=1))
 
     def _pop_residual(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Remove and return the oldest ``n`` residual tokens: keys, values [B, H, n, D]."""

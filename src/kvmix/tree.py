@@ -28,17 +28,18 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return obj
 
 
-def zip_tensors(a: Any, b: Any, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
-    """Combine two structures of the same shape tensor by tensor (``a`` gives the structure)."""
-    if isinstance(a, torch.Tensor):
-        return fn(a, b)
-    if dataclasses.is_dataclass(a) and not isinstance(a, type):
-        changes = {f.name: zip_tensors(getattr(a, f.name), getattr(b, f.name), fn)
-                   for f in dataclasses.fields(a)}
-        return dataclasses.replace(a, **changes)
-    if isinstance(a, (list, tuple)):
-        return type(a)(zip_tensors(x, y, fn) for x, y in zip(a, b, strict=True))
-    return a
+def combine(parts: list[Any], fn: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+    """Merge structures of the same shape tensor by tensor (the first gives the structure)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor):
+        return fn(parts)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        changes = {f.name: combine([getattr(p, f.name) for p in parts], fn)
+                   for f in dataclasses.fields(first)}
+        return dataclasses.replace(first, **changes)
+    if isinstance(first, (list, tuple)):
+        return type(first)(combine(list(items), fn) for items in zip(*parts, strict=True))
+    return first
 
 
 def tensor_bytes(obj: Any, kind: str) -> Counter:
