@@ -23,6 +23,6 @@ def tiny_model() -> LlamaForCausalLM:
 
 @pytest.fixture(scope="session")
 def real_model():
-    from kvmix.models import load_model
+    from kvmix.models.loading import load_model
 
     return load_model()

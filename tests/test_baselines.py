@@ -10,9 +10,9 @@ from conftest import TINY
 from transformers import LlamaConfig
 
 import kvmix
-from kvmix.cache import KVMixCache, take_pending
+from kvmix.runtime.cache import KVMixCache, take_pending
 from kvmix.methods import ModelSpec, parse_method
-from kvmix.sweep import BUDGETS, method_at
+from kvmix.commands.sweep import BUDGETS, method_at
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)

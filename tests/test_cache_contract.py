@@ -13,11 +13,11 @@ import torch
 from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
-from kvmix.cache import KVMixCache, model_spec, take_pending
-from kvmix.calibration import collect_moments, compute_transforms
+from kvmix.runtime.cache import KVMixCache, model_spec, take_pending
+from kvmix.evaluation.calibration import collect_moments, compute_transforms
 from kvmix.methods import method_names, parse_method
-from kvmix.transforms import TransformSet, save_transforms
-from kvmix.tree import map_tensors, tensor_bytes
+from kvmix.core.transforms import TransformSet, save_transforms
+from kvmix.core.tree import map_tensors, tensor_bytes
 
 SINK, RESIDUAL, GROUP = 4, 16, 8
 B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]

@@ -1,7 +1,7 @@
 import pytest
 
 from kvmix.cli import main
-from kvmix.data import load_text, token_ids
+from kvmix.evaluation.data import load_text, token_ids
 from kvmix.methods import split_methods
 
 

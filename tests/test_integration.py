@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import kvmix
-from kvmix.compare import CompareConfig, run_compare
-from kvmix.data import load_text, token_ids
-from kvmix.evaluate import score, token_kl
+from kvmix.commands.compare import CompareConfig, run_compare
+from kvmix.evaluation.data import load_text, token_ids
+from kvmix.evaluation.scoring import score, token_kl
 
 pytestmark = pytest.mark.integration
 CONTEXT, EVAL = 384, 96
@@ -79,7 +79,7 @@ def test_compare_writes_the_documented_json(real_model, tmp_path):
 
 
 def test_bench_measures_every_method(real_model, tmp_path):
-    from kvmix.bench import BenchConfig, run_bench
+    from kvmix.commands.bench import BenchConfig, run_bench
 
     rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=96, new_tokens=4,
                                  warmup=1, out=str(tmp_path)), loaded=real_model)
@@ -100,8 +100,8 @@ def test_pnmix_on_the_real_model(real_model, prose_ids, full_scored):
 
 
 def test_criteria_and_pairscore_write_tables_and_plots(real_model, tmp_path):
-    from kvmix.criteria import CriteriaConfig, run_criteria
-    from kvmix.pairscore import PairscoreConfig, run_pairscore
+    from kvmix.commands.criteria import CriteriaConfig, run_criteria
+    from kvmix.commands.pairscore import PairscoreConfig, run_pairscore
 
     rows = run_criteria(CriteriaConfig(context=192, eval_tokens=16, queries=8, chunk=16,
                                        out=str(tmp_path / "c")), loaded=real_model)
@@ -130,7 +130,7 @@ def test_baselines_generate_on_the_real_model(real_model, spec):
 
 
 def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):
-    from kvmix.sweep import SweepConfig, run_sweep
+    from kvmix.commands.sweep import SweepConfig, run_sweep
 
     rows = run_sweep(SweepConfig(budgets=[3.0, 1.5], context=160, eval_tokens=16, chunk=16,
                                  out=str(tmp_path)), loaded=real_model)
@@ -145,9 +145,9 @@ def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):
 
 
 def test_key_priority_commands_on_the_real_model(real_model, tmp_path):
-    from kvmix.keyfirst import KeyfirstConfig, run_keyfirst
-    from kvmix.norms import NormsConfig, run_norms
-    from kvmix.recon import ReconConfig, run_recon
+    from kvmix.commands.keyfirst import KeyfirstConfig, run_keyfirst
+    from kvmix.commands.norms import NormsConfig, run_norms
+    from kvmix.commands.recon import ReconConfig, run_recon
 
     norms = run_norms(NormsConfig(out=str(tmp_path / "n")), loaded=real_model)
     assert len(norms["rows"]) == 30 and (tmp_path / "n" / "norms.png").is_file()
@@ -177,8 +177,8 @@ def test_budget_plan_and_backends_on_the_real_model(real_model, prose_ids, full_
 
 
 def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_path):
-    from kvmix.calibration import CalibrateConfig, run_calibrate
-    from kvmix.wushkv import TransformsConfig, run_export, run_transforms
+    from kvmix.evaluation.calibration import CalibrateConfig, run_calibrate
+    from kvmix.commands.transforms import TransformsConfig, run_export, run_transforms
 
     transforms = run_calibrate(CalibrateConfig(data="code", tokens=384, chunk=192,
                                                out=str(tmp_path / "cal")), loaded=real_model)

@@ -8,13 +8,13 @@ from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
 import kvmix
-from kvmix.allocation import allocate
-from kvmix.cache import KVMixCache, take_pending
-from kvmix.folding import prepare_model
+from kvmix.core.allocation import allocate
+from kvmix.runtime.cache import KVMixCache, take_pending
+from kvmix.runtime.folding import prepare_model
 from kvmix.methods import parse_method
 from kvmix.methods.backends import dequantize_rows, quantize_rows
-from kvmix.transforms import hadamard
-from kvmix.weights import kv_weights, weight_norms
+from kvmix.core.transforms import hadamard
+from kvmix.models.weights import kv_weights, weight_norms
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmix.packing import WIDTHS, check_bits, pack, packed_bytes, unpack
+from kvmix.core.packing import WIDTHS, check_bits, pack, packed_bytes, unpack
 
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=4)
 

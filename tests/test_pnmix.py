@@ -8,11 +8,11 @@ from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
 import kvmix
-from kvmix.cache import KVMixCache, take_pending
-from kvmix.importance import causal_pair_score, pair_norms, scores, spearman, top_overlap
+from kvmix.runtime.cache import KVMixCache, take_pending
+from kvmix.core.importance import causal_pair_score, pair_norms, scores, spearman, top_overlap
 from kvmix.methods import ModelSpec, parse_method
-from kvmix.packing import unpack
-from kvmix.quantizers import dequantize, quantize
+from kvmix.core.packing import unpack
+from kvmix.core.quantizers import dequantize, quantize
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)

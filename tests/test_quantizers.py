@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmix.quantizers import dequantize, quantize
+from kvmix.core.quantizers import dequantize, quantize
 
 BITS = (1, 2, 3, 4, 8)
 

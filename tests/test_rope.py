@@ -5,8 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import CohereConfig, CohereForCausalLM
 
-from kvmix.importance import pair_norms
-from kvmix.rope import _rotary_module, layout_name, rope_pairs
+from kvmix.core.importance import pair_norms
+from kvmix.models.rope import _rotary_module, layout_name, rope_pairs
 
 
 def tiny_cohere():

@@ -8,7 +8,7 @@ from conftest import tiny_llama
 from transformers import DynamicCache
 
 import kvmix
-from kvmix.quantizers import dequantize
+from kvmix.core.quantizers import dequantize
 
 SMALL = "sink=4,residual=16,group=8"
 
@@ -111,7 +111,7 @@ def test_non_finite_keys_are_refused():
     keys = torch.randn(1, 2, 30, 32)
     keys[0, 0, 10, 0] = float("nan")
     cache.update(keys, torch.randn(1, 2, 30, 32), 0)
-    from kvmix.cache import take_pending
+    from kvmix.runtime.cache import take_pending
 
     with pytest.raises(ValueError, match="non-finite keys in layer 0"):
         take_pending().commit(torch.randn(1, 4, 30, 32), None)
@@ -121,8 +121,8 @@ def test_sliding_layers_keep_their_cache_with_one_warning():
     model = tiny_llama(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
     with pytest.warns(UserWarning, match="full-attention layers only"):
         cache = kvmix.make_cache(model, f"kivi2:{SMALL}")
-    assert isinstance(cache.layers[0], kvmix.cache.KVMixLayer)
-    assert not isinstance(cache.layers[1], kvmix.cache.KVMixLayer)
+    assert isinstance(cache.layers[0], kvmix.runtime.cache.KVMixLayer)
+    assert not isinstance(cache.layers[1], kvmix.runtime.cache.KVMixLayer)
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -10,10 +10,10 @@ from conftest import tiny_llama
 from safetensors import safe_open
 
 import kvmix
-from kvmix.calibration import collect_moments, compute_transforms
-from kvmix.folding import prepare_model
+from kvmix.evaluation.calibration import collect_moments, compute_transforms
+from kvmix.runtime.folding import prepare_model
 from kvmix.methods import parse_method
-from kvmix.quantizers import (
+from kvmix.core.quantizers import (
     QUEST_CLIP,
     dequantize,
     percentile_bounds,
@@ -21,7 +21,7 @@ from kvmix.quantizers import (
     quest_dequantize,
     quest_quantize,
 )
-from kvmix.transforms import (
+from kvmix.core.transforms import (
     KINDS,
     TransformSet,
     block_transform,
@@ -29,7 +29,7 @@ from kvmix.transforms import (
     load_transforms,
     save_transforms,
 )
-from kvmix.wushkv import right_multipliers, save_multipliers
+from kvmix.commands.transforms import right_multipliers, save_multipliers
 
 LAYOUT = "sink=4,residual=16,group=8"
 

@@ -1,7 +1,7 @@
 """kvmix: truly packed low-bit KV caches for transformers decoder LLMs."""
 
-from kvmix.attention import make_cache
-from kvmix.cache import KVMixCache
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.cache import KVMixCache
 from kvmix.methods import Method, parse_method
 
 __version__ = "0.1.0"

@@ -6,17 +6,17 @@ import argparse
 import sys
 from dataclasses import fields
 
-from kvmix.bench import BenchConfig, run_bench
-from kvmix.calibration import CalibrateConfig, run_calibrate
-from kvmix.compare import CompareConfig, run_compare
-from kvmix.criteria import CriteriaConfig, run_criteria
-from kvmix.keyfirst import KeyfirstConfig, run_keyfirst
+from kvmix.commands.bench import BenchConfig, run_bench
+from kvmix.evaluation.calibration import CalibrateConfig, run_calibrate
+from kvmix.commands.compare import CompareConfig, run_compare
+from kvmix.commands.criteria import CriteriaConfig, run_criteria
+from kvmix.commands.keyfirst import KeyfirstConfig, run_keyfirst
 from kvmix.methods import method_classes, parameters, presets, split_methods
-from kvmix.norms import NormsConfig, run_norms
-from kvmix.pairscore import PairscoreConfig, run_pairscore
-from kvmix.recon import ReconConfig, run_recon
-from kvmix.sweep import SweepConfig, run_sweep
-from kvmix.wushkv import TransformsConfig, run_export, run_transforms
+from kvmix.commands.norms import NormsConfig, run_norms
+from kvmix.commands.pairscore import PairscoreConfig, run_pairscore
+from kvmix.commands.recon import ReconConfig, run_recon
+from kvmix.commands.sweep import SweepConfig, run_sweep
+from kvmix.commands.transforms import TransformsConfig, run_export, run_transforms
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,7 +172,7 @@ def _bench(args: argparse.Namespace) -> None:
 
 
 def _methods(args: argparse.Namespace) -> None:
-    from kvmix.report import print_table
+    from kvmix.evaluation.report import print_table
 
     rows = [{"method": name, "about": cls.summary, "bits": cls.describe(),
              "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
@@ -190,7 +190,7 @@ def _show(value) -> str:
 
 
 def _export(args: argparse.Namespace) -> None:
-    from kvmix.models import load_model
+    from kvmix.models.loading import load_model
 
     run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))
 

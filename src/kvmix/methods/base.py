@@ -13,8 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.packing import check_bits
-from kvmix.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
+from kvmix.core.packing import check_bits
+from kvmix.core.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
 
 STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
 
@@ -105,7 +105,7 @@ class Method:
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
         """A value transform T_v [L, H, D, D] to fold into W_V/W_O of a model copy (and the id
-        that marks the copy), or None. kvmix.folding.prepare_model applies it."""
+        that marks the copy), or None. kvmix.runtime.folding.prepare_model applies it."""
         return None
 
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,

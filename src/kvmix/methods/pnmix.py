@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.importance import (
+from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
     group_mean,
@@ -48,8 +48,8 @@ from kvmix.methods.base import (
     choice,
     require_pairs,
 )
-from kvmix.packing import check_bits, pack, unpack
-from kvmix.quantizers import quantize_codes, reconstruct
+from kvmix.core.packing import check_bits, pack, unpack
+from kvmix.core.quantizers import quantize_codes, reconstruct
 
 SELECTIONS = ("prefill", "online")
 INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)

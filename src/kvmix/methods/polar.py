@@ -19,8 +19,8 @@ import torch
 
 from kvmix.methods import register
 from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues, require_pairs
-from kvmix.packing import check_bits
-from kvmix.quantizers import QuantizedTensor, dequantize, quantize
+from kvmix.core.packing import check_bits
+from kvmix.core.quantizers import QuantizedTensor, dequantize, quantize
 
 
 @dataclass

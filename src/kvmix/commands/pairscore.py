@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmix.analysis import capture, pair_score_agreement
-from kvmix.jobs import JobConfig, finish, load_inputs
-from kvmix.models import LoadedModel
-from kvmix.plots import line_plot
+from kvmix.evaluation.analysis import capture, pair_score_agreement
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import line_plot
 
 COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "Spearman min",
            "overlap_mean": "top overlap"}

@@ -19,11 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluate import check_lengths, summary
-from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import LoadedModel
-from kvmix.plots import scatter_lines
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import scatter_lines
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
 FAMILIES = ("pnmix", "kitty")

@@ -6,7 +6,7 @@ are encoded once into a block. Blocks are never re-encoded.
 
 The layer needs two things only the attention call knows: the post-RoPE queries (for methods
 that select channels at prefill) and the attention mask (padding never enters statistics). So
-``update`` stages the new tokens and the attention function registered by ``kvmix.attention``
+``update`` stages the new tokens and the attention function registered by ``kvmix.runtime.attention``
 calls ``commit`` right after attending; the flush happens there.
 """
 
@@ -26,7 +26,7 @@ from transformers.cache_utils import (
 )
 
 from kvmix.methods import Blocks, Method, ModelSpec, parse_method
-from kvmix.tree import combine, map_tensors, tensor_bytes
+from kvmix.core.tree import combine, map_tensors, tensor_bytes
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluate import check_lengths, summary
-from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import LoadedModel
-from kvmix.plots import grouped_bars
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import grouped_bars
 
 STUDY = {
     "K4V4": "kxvy:key_bits=4,value_bits=4",

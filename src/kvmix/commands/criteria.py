@@ -9,13 +9,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.analysis import attention_kl, capture
-from kvmix.evaluate import check_lengths, summary
-from kvmix.importance import CRITERIA
-from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.analysis import attention_kl, capture
+from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.core.importance import CRITERIA
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import LoadedModel
-from kvmix.plots import line_plot
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import line_plot
 
 COLUMNS = {"criterion": "criterion", "key_bits": "K bits", "attention_kl": "attention KL",
            "token_kl": "token KL", "ppl": "ppl"}

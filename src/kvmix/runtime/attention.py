@@ -17,13 +17,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvmix.cache import KVMixCache, take_pending
+from kvmix.runtime.cache import KVMixCache, take_pending
 from kvmix.methods import Method
-from kvmix.rope import rope_pairs
-from kvmix.weights import kv_weights, squared_frobenius
+from kvmix.models.rope import rope_pairs
+from kvmix.models.weights import kv_weights, squared_frobenius
 
 NAME = "kvmix"
-FOLDED = "_kvmix_folded"  # set on kvmix's own folded copies (kvmix.folding), never on yours
+FOLDED = "_kvmix_folded"  # set on kvmix's own folded copies (kvmix.runtime.folding), never on yours
 # Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 _OBSERVERS: list[Observer] = []

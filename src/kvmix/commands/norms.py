@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmix.jobs import JobConfig, finish
-from kvmix.models import LoadedModel, load_model
-from kvmix.plots import grouped_bars
-from kvmix.weights import kv_weights, weight_norms
+from kvmix.evaluation.jobs import JobConfig, finish
+from kvmix.models.loading import LoadedModel, load_model
+from kvmix.evaluation.plots import grouped_bars
+from kvmix.models.weights import kv_weights, weight_norms
 
 COLUMNS = {"layer": "layer", "keys_spectral": "‖W_K‖₂", "values_spectral": "‖W_V‖₂",
            "ratio_spectral": "ratio₂", "keys_frobenius": "‖W_K‖F", "values_frobenius": "‖W_V‖F",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.packing import check_bits, pack, unpack
+from kvmix.core.packing import check_bits, pack, unpack
 
 STAT_DTYPE = torch.float16
 

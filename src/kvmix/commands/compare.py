@@ -6,11 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.evaluate import Scored, check_lengths, summary
-from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.scoring import Scored, check_lengths, summary
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
-from kvmix.models import LoadedModel
-from kvmix.report import console
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.report import console
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")

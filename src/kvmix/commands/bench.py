@@ -13,12 +13,12 @@ from functools import partial
 import torch
 from rich.progress import Progress
 
-from kvmix.attention import make_cache
-from kvmix.folding import prepare_model
-from kvmix.jobs import JobConfig, finish, load_inputs
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.folding import prepare_model
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
 from kvmix.methods import parse_method
-from kvmix.models import LoadedModel
-from kvmix.report import console
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.report import console
 
 COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
            "tokens_per_s": "tokens/s", "ms_per_token": "ms/token", "nbytes": "cache bytes"}

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from kvmix.analysis import Captured, capture
-from kvmix.jobs import JobConfig, finish, load_inputs
-from kvmix.models import LoadedModel
-from kvmix.plots import line_plot
-from kvmix.quantizers import dequantize, dequantize_per_token, quantize, quantize_per_token
+from kvmix.evaluation.analysis import Captured, capture
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import line_plot
+from kvmix.core.quantizers import dequantize, dequantize_per_token, quantize, quantize_per_token
 
 COLUMNS = {"bits": "bits", "key_error": "key rel. err", "value_error": "value rel. err",
            "key_rms_error": "key RMS err", "value_rms_error": "value RMS err",

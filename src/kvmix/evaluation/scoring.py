@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.attention import make_cache
-from kvmix.cache import KVMixCache
-from kvmix.folding import prepare_model
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.folding import prepare_model
 from kvmix.methods import Method
 
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.attention import make_cache, observe_attention
-from kvmix.cache import take_pending
-from kvmix.folding import prepare_model
-from kvmix.importance import causal_pair_score, scores, spearman, top_overlap
+from kvmix.runtime.attention import make_cache, observe_attention
+from kvmix.runtime.cache import take_pending
+from kvmix.runtime.folding import prepare_model
+from kvmix.core.importance import causal_pair_score, scores, spearman, top_overlap
 from kvmix.methods import Method
-from kvmix.rope import rope_pairs
+from kvmix.models.rope import rope_pairs
 
 
 @dataclass

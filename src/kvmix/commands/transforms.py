@@ -20,18 +20,18 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from kvmix.analysis import Captured, capture
-from kvmix.calibration import CalibrateConfig, run_calibrate
-from kvmix.evaluate import check_lengths, summary
-from kvmix.folding import prepare_model
-from kvmix.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.analysis import Captured, capture
+from kvmix.evaluation.calibration import CalibrateConfig, run_calibrate
+from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.runtime.folding import prepare_model
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.methods import parse_method
 from kvmix.methods.wush import QUANTIZERS
-from kvmix.models import LoadedModel
-from kvmix.plots import line_plot
-from kvmix.report import console
-from kvmix.transforms import KINDS, TransformSet
-from kvmix.weights import output_weights
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.plots import line_plot
+from kvmix.evaluation.report import console
+from kvmix.core.transforms import KINDS, TransformSet
+from kvmix.models.weights import output_weights
 
 COLUMNS = {"transform": "transform", "quantizer": "quantizer", "key_bits": "K bits",
            "key_score_error": "score err (K)", "value_output_error": "output err (V)",

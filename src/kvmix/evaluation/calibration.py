@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 from rich.progress import Progress
 
-from kvmix.attention import make_cache, observe_attention
-from kvmix.jobs import JobConfig, finish, load_inputs
-from kvmix.models import LoadedModel
-from kvmix.report import console
-from kvmix.transforms import KINDS, TransformSet, block_transform, save_transforms
-from kvmix.weights import output_weights
+from kvmix.runtime.attention import make_cache, observe_attention
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
+from kvmix.models.loading import LoadedModel
+from kvmix.evaluation.report import console
+from kvmix.core.transforms import KINDS, TransformSet, block_transform, save_transforms
+from kvmix.models.weights import output_weights
 
 
 @dataclass
