@@ -56,7 +56,7 @@ def test_generate_on_the_real_model(real_model):
         out = real_model.model.generate(**ids, cache=cache, max_new_tokens=48, min_new_tokens=48,
                                         do_sample=False)
     assert out.shape[1] == ids.input_ids.shape[1] + 48
-    assert cache.layers[0].lengths and cache.nbytes() == cache.theoretical_nbytes()
+    assert cache.layers[0].store.lengths and cache.nbytes() == cache.theoretical_nbytes()
 
 
 def test_compare_writes_the_documented_json(real_model, tmp_path):
@@ -126,7 +126,7 @@ def test_baselines_generate_on_the_real_model(real_model, spec):
         out = real_model.model.generate(**ids, cache=cache, max_new_tokens=40, min_new_tokens=40,
                                         do_sample=False)
     assert out.shape[1] == ids.input_ids.shape[1] + 40
-    assert cache.layers[0].lengths and cache.nbytes() == cache.theoretical_nbytes()
+    assert cache.layers[0].store.lengths and cache.nbytes() == cache.theoretical_nbytes()
 
 
 def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):
@@ -177,8 +177,9 @@ def test_budget_plan_and_backends_on_the_real_model(real_model, prose_ids, full_
 
 
 def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_path):
-    from kvmix.evaluation.calibration import CalibrateConfig, run_calibrate
-    from kvmix.commands.transforms import TransformsConfig, run_export, run_transforms
+    from kvmix.commands.calibrate import CalibrateConfig, run_calibrate
+    from kvmix.commands.export import run_export
+    from kvmix.commands.transforms import TransformsConfig, run_transforms
 
     transforms = run_calibrate(CalibrateConfig(data="code", tokens=384, chunk=192,
                                                out=str(tmp_path / "cal")), loaded=real_model)

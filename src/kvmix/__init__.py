@@ -1,8 +1,28 @@
-"""kvmix: truly packed low-bit KV caches for transformers decoder LLMs."""
+"""kvmix: truly packed low-bit KV caches for transformers decoder LLMs.
 
+    import kvmix
+    loaded = kvmix.load_model()
+    cache = kvmix.make_cache(loaded.model, "pnmix1")
+    loaded.model.generate(..., cache=cache)
+"""
+
+from kvmix.evaluation.scoring import score, token_kl
+from kvmix.methods import Method, method_names, parse_method
+from kvmix.models.loading import load_model
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.cache import KVMixCache
-from kvmix.methods import Method, parse_method
+from kvmix.runtime.folding import prepare_model
 
 __version__ = "0.1.0"
-__all__ = ["KVMixCache", "Method", "__version__", "make_cache", "parse_method"]
+__all__ = [
+    "KVMixCache",
+    "Method",
+    "__version__",
+    "load_model",
+    "make_cache",
+    "method_names",
+    "parse_method",
+    "prepare_model",
+    "score",
+    "token_kl",
+]

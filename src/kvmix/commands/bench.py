@@ -13,12 +13,13 @@ from functools import partial
 import torch
 from rich.progress import Progress
 
-from kvmix.runtime.attention import make_cache
-from kvmix.runtime.folding import prepare_model
+from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
+from kvmix.evaluation.report import console
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
-from kvmix.evaluation.report import console
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.folding import prepare_model
 
 COLUMNS = {"method": "method", "prompt": "prompt", "new_tokens": "new tokens",
            "tokens_per_s": "tokens/s", "ms_per_token": "ms/token", "nbytes": "cache bytes"}
@@ -30,6 +31,15 @@ class BenchConfig(JobConfig):
     prompt: int = 1024
     new_tokens: int = 64
     warmup: int = 4
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("bench", help="decode tokens/s of each method after a prompt")
+    add_job_arguments(parser, BenchConfig())
+    parser.add_argument("--prompt", type=int, default=BenchConfig.prompt, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
+                        help="timed greedy decode steps")
+    parser.set_defaults(run=lambda args: run_bench(config_from(BenchConfig, args)))
 
 
 def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[dict]:

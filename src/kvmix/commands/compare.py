@@ -6,11 +6,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.evaluation.scoring import Scored, check_lengths, summary
+from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.report import console
+from kvmix.evaluation.scoring import Scored, check_lengths, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
-from kvmix.evaluation.report import console
 
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")
@@ -25,6 +26,13 @@ class CompareConfig(JobConfig):
     context: int = 1024
     eval_tokens: int = 256
     chunk: int = 1
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("compare", help="memory, perplexity, token KL and time per method")
+    add_job_arguments(parser, CompareConfig())
+    add_length_arguments(parser, CompareConfig)
+    parser.set_defaults(run=lambda args: run_compare(config_from(CompareConfig, args)))
 
 
 def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> list[dict]:

@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluation.analysis import attention_kl, capture
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
 from kvmix.core.importance import CRITERIA
+from kvmix.evaluation.analysis import attention_kl, capture
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.plots import line_plot
+from kvmix.evaluation.scoring import check_lengths, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
-from kvmix.evaluation.plots import line_plot
 
 COLUMNS = {"criterion": "criterion", "key_bits": "K bits", "attention_kl": "attention KL",
            "token_kl": "token KL", "ppl": "ppl"}
@@ -29,6 +30,19 @@ class CriteriaConfig(JobConfig):
     eval_tokens: int = 256
     queries: int = 64
     chunk: int = 1
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("criteria", help="PN-Mix selection criteria at one bit budget")
+    add_job_arguments(parser, CriteriaConfig(), methods=False)
+    parser.add_argument("--base", default=CriteriaConfig.base,
+                        help="PN-Mix method whose criterion is varied (e.g. pnmix1)")
+    parser.add_argument("--criteria", default=",".join(CriteriaConfig().criteria),
+                        help="comma-separated criteria")
+    add_length_arguments(parser, CriteriaConfig)
+    parser.add_argument("--queries", type=int, default=CriteriaConfig.queries,
+                        help="decode queries for attention KL")
+    parser.set_defaults(run=lambda args: run_criteria(config_from(CriteriaConfig, args)))
 
 
 def run_criteria(config: CriteriaConfig, loaded: LoadedModel | None = None) -> list[dict]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.plots import grouped_bars
+from kvmix.evaluation.scoring import check_lengths, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
-from kvmix.evaluation.plots import grouped_bars
 
 STUDY = {
     "K4V4": "kxvy:key_bits=4,value_bits=4",
@@ -41,6 +42,13 @@ class KeyfirstConfig(JobConfig):
     context: int = 1024
     eval_tokens: int = 256
     chunk: int = 1
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("keyfirst", help="K2V4 vs K4V2 vs K4V4 vs K2V2, rotations, groups")
+    add_job_arguments(parser, KeyfirstConfig(), methods=False)
+    add_length_arguments(parser, KeyfirstConfig)
+    parser.set_defaults(run=lambda args: run_keyfirst(config_from(KeyfirstConfig, args)))
 
 
 def run_keyfirst(config: KeyfirstConfig, loaded: LoadedModel | None = None) -> list[dict]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.evaluation.jobs import JobConfig, finish
-from kvmix.models.loading import LoadedModel, load_model
 from kvmix.evaluation.plots import grouped_bars
+from kvmix.models.loading import LoadedModel, load_model
 from kvmix.models.weights import kv_weights, weight_norms
 
 COLUMNS = {"layer": "layer", "keys_spectral": "‖W_K‖₂", "values_spectral": "‖W_V‖₂",
@@ -22,6 +23,12 @@ COLUMNS = {"layer": "layer", "keys_spectral": "‖W_K‖₂", "values_spectral":
 @dataclass
 class NormsConfig(JobConfig):
     pass
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("norms", help="spectral/Frobenius norms of W_K vs W_V per layer")
+    add_job_arguments(parser, NormsConfig(), methods=False)
+    parser.set_defaults(run=lambda args: run_norms(config_from(NormsConfig, args)))
 
 
 def run_norms(config: NormsConfig, loaded: LoadedModel | None = None) -> dict:

@@ -7,10 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.evaluation.analysis import capture, pair_score_agreement
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.models.loading import LoadedModel
 from kvmix.evaluation.plots import line_plot
+from kvmix.models.loading import LoadedModel
 
 COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "Spearman min",
            "overlap_mean": "top overlap"}
@@ -20,6 +21,15 @@ COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "
 class PairscoreConfig(JobConfig):
     context: int = 2048
     ratio: float = 0.5
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("pairscore", help="separable vs causal PN-Mix pair score")
+    add_job_arguments(parser, PairscoreConfig(), methods=False)
+    parser.add_argument("--context", type=int, default=PairscoreConfig.context)
+    parser.add_argument("--ratio", type=float, default=PairscoreConfig.ratio,
+                        help="share of pairs for the top-k overlap")
+    parser.set_defaults(run=lambda args: run_pairscore(config_from(PairscoreConfig, args)))
 
 
 def run_pairscore(config: PairscoreConfig, loaded: LoadedModel | None = None) -> dict:

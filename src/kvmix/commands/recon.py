@@ -16,11 +16,12 @@ from pathlib import Path
 
 import torch
 
+from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.core.quantizers import dequantize, dequantize_per_token, quantize, quantize_per_token
 from kvmix.evaluation.analysis import Captured, capture
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.models.loading import LoadedModel
 from kvmix.evaluation.plots import line_plot
-from kvmix.core.quantizers import dequantize, dequantize_per_token, quantize, quantize_per_token
+from kvmix.models.loading import LoadedModel
 
 COLUMNS = {"bits": "bits", "key_error": "key rel. err", "value_error": "value rel. err",
            "key_rms_error": "key RMS err", "value_rms_error": "value RMS err",
@@ -35,6 +36,17 @@ class ReconConfig(JobConfig):
     queries: int = 64
     group: int = 32
     value_group: int = 32
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("recon", help="key vs value reconstruction error at equal bits")
+    add_job_arguments(parser, ReconConfig(), methods=False)
+    parser.add_argument("--bits", default="1,2,3,4", help="comma-separated widths")
+    parser.add_argument("--context", type=int, default=ReconConfig.context)
+    parser.add_argument("--queries", type=int, default=ReconConfig.queries)
+    parser.add_argument("--group", type=int, default=ReconConfig.group)
+    parser.add_argument("--value-group", type=int, default=ReconConfig.value_group)
+    parser.set_defaults(run=lambda args: run_recon(config_from(ReconConfig, args)))
 
 
 def run_recon(config: ReconConfig, loaded: LoadedModel | None = None) -> list[dict]:

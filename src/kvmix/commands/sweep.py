@@ -19,11 +19,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.evaluation.plots import scatter_lines
+from kvmix.evaluation.scoring import check_lengths, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
-from kvmix.evaluation.plots import scatter_lines
 
 BUDGETS = (3.0, 2.5, 2.25, 2.0, 1.5)
 FAMILIES = ("pnmix", "kitty")
@@ -57,6 +58,19 @@ def method_at(family: str, bits: float, group: int = 128) -> str:
     if not 0 <= ratio <= 1:
         raise ValueError(f"{family} cannot reach {bits} key bits with group={group}")
     return f"{family}:ratio={ratio:g},group={group}{extra}"
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("sweep", help="bit-rate Pareto curve of PN-Mix and Kitty (+ KIVI)")
+    add_job_arguments(parser, SweepConfig(), methods=False)
+    parser.add_argument("--budgets", default=",".join(map(str, SweepConfig().budgets)),
+                        help="average key bits to hit")
+    parser.add_argument("--families", default=",".join(SweepConfig().families))
+    parser.add_argument("--group", type=int, default=SweepConfig.group)
+    parser.add_argument("--no-kivi", dest="kivi", action="store_false",
+                        help="leave out KIVI's native points")
+    add_length_arguments(parser, SweepConfig)
+    parser.set_defaults(run=lambda args: run_sweep(config_from(SweepConfig, args)))
 
 
 def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[dict]:

@@ -64,8 +64,6 @@ def _one_block(sigma: torch.Tensor, weight: torch.Tensor, kind: str,
 
 
 # -- calibrated transforms on disk ----------------------------------------------------------
-
-
 @dataclass
 class TransformSet:
     """Per (layer, KV head) block-diagonal transforms of every kind, float64 [L, H, D, D]:
@@ -126,3 +124,27 @@ def check_invertible(matrix: torch.Tensor, name: str, tolerance: float = 1e-8) -
     if error > tolerance:
         raise ValueError(f"transform {name} is not invertible to {tolerance}: |T⁻¹T − I| = "
                          f"{error:.2e}")
+
+
+# -- serving artifacts: per-(layer, KV head, block) right-multipliers --------------------------
+def right_multipliers(transforms: TransformSet, transform: str) -> dict[str, torch.Tensor]:
+    """Per (layer, KV head, block): [L, H, D/block, block, block] float64."""
+    block = int(transforms.meta["block"])
+    t_k, t_v = transforms.keys[transform].double(), transforms.values[transform].double()
+    full = {"k_right": t_k.transpose(-1, -2), "q_right": torch.linalg.inv(t_k),
+            "v_right": t_v.transpose(-1, -2), "o_right": torch.linalg.inv(t_v).transpose(-1, -2)}
+    return {name: _blocks(matrix, block) for name, matrix in full.items()}
+
+
+def save_multipliers(path: Path, transforms: TransformSet, transform: str) -> Path:
+    meta = {**transforms.meta, "transform": transform,
+            "layout": "[layer, kv_head, block_index, block, block]; x' = x @ right per block"}
+    save_file({k: v.contiguous() for k, v in right_multipliers(transforms, transform).items()},
+              str(path), metadata=meta)
+    return path
+
+
+def _blocks(matrix: torch.Tensor, block: int) -> torch.Tensor:
+    count = matrix.shape[-1] // block
+    return torch.stack([matrix[..., i * block:(i + 1) * block, i * block:(i + 1) * block]
+                        for i in range(count)], dim=2)

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.runtime.attention import make_cache, observe_attention
-from kvmix.runtime.cache import take_pending
-from kvmix.runtime.folding import prepare_model
 from kvmix.core.importance import causal_pair_score, scores, spearman, top_overlap
 from kvmix.methods import Method
 from kvmix.models.rope import rope_pairs
+from kvmix.runtime.attention import make_cache, observe_attention
+from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.layer import take_pending
 
 
 @dataclass
@@ -62,7 +62,7 @@ def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tenso
         keys = captured.keys[layer]
         cache.update(keys, captured.values[layer], layer)
         take_pending().commit(captured.queries[layer], None)
-        approx = cache.layers[layer].materialize()[0]  # [B, H, C, D]
+        approx = cache.layers[layer].store.materialize()[0]  # [B, H, C, D]
         query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]
         exact = torch.log_softmax(_logits(query, keys.float(), scale), -1)  # [B, Hq, N, C]
         rotated = cache.method.transform_queries(query, layer)  # the cache's key space
@@ -92,3 +92,42 @@ def _logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tens
     # query: [B, Hq, N, D]; keys: [B, H, C, D] -> [B, Hq, N, C]
     keys = keys.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
     return query @ keys.transpose(-1, -2) * scale
+
+
+def layer_errors(captured: Captured, method, outputs: list[torch.Tensor],
+                 bits: int) -> dict[str, list[float]]:
+    """Relative error per layer of scores (keys quantized) and of W_O outputs (values)."""
+    keys_t = method.loaded.keys[method.transform].float()  # [L, H, D, D]
+    values_t = method.loaded.values[method.transform].float()
+    result = {"keys": [], "values": []}
+    for layer in sorted(captured.keys):
+        query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]
+        keys, values = captured.keys[layer].float(), captured.values[layer].float()
+        group = query.shape[1] // keys.shape[1]
+        k_hat = _round_trip(method, keys, keys_t[layer], bits)
+        v_hat = _round_trip(method, values, values_t[layer], bits)
+        exact = query @ keys.repeat_interleave(group, 1).transpose(-1, -2) * scale  # [B,Hq,N,C]
+        approx = query @ k_hat.repeat_interleave(group, 1).transpose(-1, -2) * scale
+        result["keys"].append(_relative(approx, exact))
+        weights = exact.softmax(-1)
+        w_o = outputs[layer].float().unflatten(1, (group, -1))  # [H, g, hidden, D]
+        out = _project(weights @ values.repeat_interleave(group, 1), w_o)
+        out_hat = _project(weights @ v_hat.repeat_interleave(group, 1), w_o)
+        result["values"].append(_relative(out_hat, out))
+    return result
+
+
+def _round_trip(method, x: torch.Tensor, transform: torch.Tensor, bits: int) -> torch.Tensor:
+    # x: [B, H, C, D]; transform: [H, D, D] -> x̂ = Q(x Tᵀ) T^{-ᵀ}
+    moved = torch.einsum("bhtd,hed->bhte", x, transform)
+    restored = method.dequantize_tokens(method.quantize_tokens(moved, bits), torch.float32)
+    return torch.einsum("bhte,hed->bhtd", restored, torch.linalg.inv(transform).transpose(-1, -2))
+
+
+def _project(heads_out: torch.Tensor, w_o: torch.Tensor) -> torch.Tensor:
+    # heads_out: [B, Hq, N, D]; w_o: [H, g, hidden, D] -> [B, N, hidden]
+    return torch.einsum("bhnd,hod->bno", heads_out, w_o.flatten(0, 1))
+
+
+def _relative(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return ((approx - exact).norm() / exact.norm()).item()

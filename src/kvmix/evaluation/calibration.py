@@ -1,36 +1,22 @@
-"""``kvmix calibrate``: second moments of post-RoPE keys, the group's queries and values on
+"""WUSH-KV calibration: second moments of post-RoPE keys, the group's queries and values on
 calibration text, and the WUSH-KV transforms built from them (SPEC §5, seeds/004).
 
 Per layer and KV head: ``Σ_k = E[k kᵀ]``, ``Σ_q`` = the mean over the group's query heads of
 ``E[q qᵀ]``, ``Σ_v = E[v vᵀ]``. Keys use the query side as their weight (W with WᵀW = Σ_q + λI);
 values use the W_O columns of the group's query heads. Every kind (identity, Hadamard, WUS, WUSH)
-is computed in float64 and saved to one safetensors file with the model name, shapes, damping,
-data and a checksum.
+is computed in float64 (``kvmix calibrate`` saves them with the model name, shapes, damping, data
+and a checksum).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 from rich.progress import Progress
 
-from kvmix.runtime.attention import make_cache, observe_attention
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.models.loading import LoadedModel
+from kvmix.core.transforms import KINDS, block_transform
 from kvmix.evaluation.report import console
-from kvmix.core.transforms import KINDS, TransformSet, block_transform, save_transforms
 from kvmix.models.weights import output_weights
-
-
-@dataclass
-class CalibrateConfig(JobConfig):
-    data: str = "code"
-    tokens: int = 4096
-    chunk: int = 1024
-    block: int | None = None  # channels per transform block; default the head dim
-    damping: float = 0.01
+from kvmix.runtime.attention import make_cache, observe_attention
 
 
 @torch.no_grad()
@@ -81,34 +67,3 @@ def compute_transforms(model, moments: dict[str, torch.Tensor], block: int,
                                                       outputs[layer][head], kind, block, damping)
         result["keys"][kind], result["values"][kind] = keys, values
     return result
-
-
-def run_calibrate(config: CalibrateConfig, loaded: LoadedModel | None = None) -> TransformSet:
-    if not isinstance(config.tokens, int) or config.tokens < 16:
-        raise ValueError(f"tokens={config.tokens!r} is invalid; expected an integer >= 16")
-    if not config.damping > 0:
-        raise ValueError(f"damping={config.damping!r} is invalid; expected a number > 0")
-    loaded, ids = load_inputs(config, config.tokens, loaded)
-    spec = make_cache(loaded.model, "full").spec
-    block = config.block or spec.head_dim
-    if spec.head_dim % block or block & (block - 1):
-        raise ValueError(f"block={block} must be a power of two dividing the head dim "
-                         f"{spec.head_dim}")
-    moments = collect_moments(loaded.model, ids, config.chunk)
-    matrices = compute_transforms(loaded.model, moments, block, config.damping)
-    meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
-            "head_dim": str(spec.head_dim), "block": str(block), "damping": str(config.damping),
-            "data": config.data, "tokens": str(config.tokens)}
-    transforms = TransformSet(matrices["keys"], matrices["values"], meta)
-    rows = [{"side": side, "kind": kind,
-             "condition_median": torch.linalg.cond(t).median().item()}
-            for side in ("keys", "values") for kind, t in matrices[side].items()]
-    if config.out:
-        Path(config.out).mkdir(parents=True, exist_ok=True)
-        path = save_transforms(Path(config.out) / "transforms.safetensors", transforms)
-        console.print(f"wrote {path}")
-    finish("calibrate", config, loaded, rows, f"{config.data} · {config.tokens} tokens · block "
-           f"{block} · damping {config.damping}", {"side": "side", "kind": "kind",
-                                                   "condition_median": "median cond(T)"},
-           transforms=transforms.meta)
-    return transforms

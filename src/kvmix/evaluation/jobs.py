@@ -10,12 +10,12 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from kvmix.runtime.attention import make_cache
 from kvmix.evaluation.data import load_text, token_ids
-from kvmix.evaluation.scoring import Scored, score
-from kvmix.runtime.folding import prepare_model
-from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_info
 from kvmix.evaluation.report import console, print_table, write_results
+from kvmix.evaluation.scoring import Scored, score
+from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_info
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.folding import prepare_model
 
 
 @dataclass

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvmix.methods import Method
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
-from kvmix.methods import Method
 
 
 @dataclass

@@ -105,7 +105,7 @@ class Method:
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
         """A value transform T_v [L, H, D, D] to fold into W_V/W_O of a model copy (and the id
-        that marks the copy), or None. kvmix.runtime.folding.prepare_model applies it."""
+        that marks the copy), or None. kvmix.prepare_model applies it."""
         return None
 
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,

@@ -28,10 +28,10 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.core.importance import group_mean, masked_mean, scores, top_mask
-from kvmix.methods import register
-from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues
 from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
+from kvmix.methods import register
+from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
 CLASS_NAMES = ("retrieval", "outlier", "normal", "subnormal")

@@ -13,7 +13,7 @@ the plan is kept in ``plan`` and printed by the commands.
 ``rotate``: ``keys`` multiplies keys by a normalized Hadamard matrix H as they enter the cache
 (after RoPE) and queries by the same H in the attention hook, so ``q'·k' = q·k`` and only the
 quantization sees the rotated basis; ``values`` folds H into W_V and Hᵀ into W_O of a copy of the
-model (``kvmix.runtime.folding.prepare_model``; the cache refuses an unfolded model), so the values
+model (``kvmix.prepare_model``; the cache refuses an unfolded model), so the values
 arrive rotated and need no online work; ``both`` does both.
 """
 
@@ -25,6 +25,14 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.core.allocation import allocate
+from kvmix.core.packing import WIDTHS, check_bits
+from kvmix.core.quantizers import (
+    dequantize,
+    dequantize_per_token,
+    quantize,
+    quantize_per_token,
+)
+from kvmix.core.transforms import hadamard
 from kvmix.methods import register
 from kvmix.methods.backends import (
     check_backend,
@@ -34,14 +42,6 @@ from kvmix.methods.backends import (
     value_rows,
 )
 from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, choice, positive
-from kvmix.core.packing import WIDTHS, check_bits
-from kvmix.core.quantizers import (
-    dequantize,
-    dequantize_per_token,
-    quantize,
-    quantize_per_token,
-)
-from kvmix.core.transforms import hadamard
 
 Bits = int | tuple[int, ...]
 ROTATIONS = ("none", "keys", "values", "both")
@@ -104,7 +104,7 @@ class KxVy(Method):
         self.rotation = hadamard(spec.head_dim) if self.rotate != "none" else None
         if self.rotate in ("values", "both") and spec.folded != VALUE_ROTATION:
             raise ValueError(f"rotate={self.rotate!r} needs the model with the value rotation "
-                             "folded into W_V/W_O: use kvmix.runtime.folding.prepare_model(model, method) "
+                             "folded into W_V/W_O: use kvmix.prepare_model(model, method) "
                              "and make the cache for the model it returns")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
@@ -127,7 +127,7 @@ class KxVy(Method):
         self.plan = {"key_bits": list(self.key_bits), "value_bits": list(self.value_bits)}
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
-        """The Hadamard rotation kvmix.runtime.folding folds into W_V/W_O: ([L, H, D, D], an id)."""
+        """The Hadamard rotation the runtime folds into W_V/W_O: ([L, H, D, D], an id)."""
         if self.rotate not in ("values", "both"):
             return None
         rotation = hadamard(spec.head_dim, torch.float64)

@@ -39,6 +39,8 @@ from kvmix.core.importance import (
     scores,
     top_mask,
 )
+from kvmix.core.packing import check_bits, pack, unpack
+from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
 from kvmix.methods.base import (
     STAT_BITS,
@@ -48,8 +50,6 @@ from kvmix.methods.base import (
     choice,
     require_pairs,
 )
-from kvmix.core.packing import check_bits, pack, unpack
-from kvmix.core.quantizers import quantize_codes, reconstruct
 
 SELECTIONS = ("prefill", "online")
 INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)

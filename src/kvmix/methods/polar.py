@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.methods import register
-from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues, require_pairs
 from kvmix.core.packing import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize, quantize
+from kvmix.methods import register
+from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues, require_pairs
 
 
 @dataclass

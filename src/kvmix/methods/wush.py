@@ -2,7 +2,7 @@
 
 Keys are transformed after RoPE as they enter the cache (``k' = T_k k``) and queries by
 ``T_k^{-ᵀ}`` in the attention hook, so ``q'·k' = q·k``. Values are transformed by weights folded
-into W_V and W_O (``kvmix.runtime.folding.prepare_model`` makes the folded copy; the cache refuses a model
+into W_V and W_O (``kvmix.prepare_model`` makes the folded copy; the cache refuses a model
 that is not folded with these transforms), so they need no online work. Both are then quantized
 per token over each block of transformed channels with QuEST INT (``quantizer=quest``: symmetric,
 clip ``c_b·RMS``, one float16 step per group) or percentile-clipped affine
@@ -21,8 +21,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, choice
 from kvmix.core.packing import check_bits
 from kvmix.core.quantizers import (
     dequantize,
@@ -31,6 +29,8 @@ from kvmix.core.quantizers import (
     quest_quantize,
 )
 from kvmix.core.transforms import KINDS, TransformSet, load_transforms
+from kvmix.methods import register
+from kvmix.methods.base import Blocks, Method, ModelSpec, choice
 
 QUANTIZERS = ("quest", "percentile")
 
@@ -77,7 +77,7 @@ class Wush(Method):
                              f" not for {spec.name!r} ({', '.join(shape)})")
         if spec.folded != self.fold_id:
             raise ValueError("wush needs the model with its value transforms folded in: use "
-                             "kvmix.runtime.folding.prepare_model(model, method) and make the cache for "
+                             "kvmix.prepare_model(model, method) and make the cache for "
                              "the model it returns")
         self.spec = spec
         keys = self.loaded.keys[self.transform]  # [L, H, D, D] float64
@@ -89,7 +89,7 @@ class Wush(Method):
         return f"{self.loaded.checksum}:{self.transform}"
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
-        """What kvmix.runtime.folding folds into W_V/W_O for this method: (T_v [L, H, D, D], an id)."""
+        """What the runtime folds into W_V/W_O for this method: (T_v [L, H, D, D], an id)."""
         return self.loaded.values[self.transform], self.fold_id
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:

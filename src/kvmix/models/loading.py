@@ -81,3 +81,15 @@ def model_info(loaded: LoadedModel) -> dict[str, Any]:
     return {"name": loaded.name, "source": loaded.source, "dtype": str(loaded.dtype),
             "model_type": config.model_type, "layers": config.num_hidden_layers,
             "parameters": sum(p.numel() for p in loaded.model.parameters())}
+
+
+def drop_gguf_marker(model) -> None:
+    """GGUF loading dequantizes every tensor; only its marker, which blocks save_pretrained, is
+    left. kvmix's folded copy drops it (the user's model keeps it)."""
+    config = getattr(model.config, "quantization_config", None)
+    method = config.get("quant_method") if isinstance(config, dict) else getattr(
+        config, "quant_method", None)
+    if getattr(method, "value", method) == "gguf":
+        model.hf_quantizer = None
+        model.is_quantized = False
+        del model.config.quantization_config

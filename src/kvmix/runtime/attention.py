@@ -17,13 +17,14 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvmix.runtime.cache import KVMixCache, take_pending
 from kvmix.methods import Method
 from kvmix.models.rope import rope_pairs
 from kvmix.models.weights import kv_weights, squared_frobenius
+from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.layer import take_pending
 
 NAME = "kvmix"
-FOLDED = "_kvmix_folded"  # set on kvmix's own folded copies (kvmix.runtime.folding), never on yours
+FOLDED = "_kvmix_folded"  # set on the folded copies runtime.folding makes, never on yours
 # Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 _OBSERVERS: list[Observer] = []

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from kvmix.runtime.attention import FOLDED
-from kvmix.runtime.cache import model_spec
 from kvmix.methods import Method, parse_method
 from kvmix.models.weights import attention_modules
+from kvmix.runtime.attention import FOLDED
+from kvmix.runtime.cache import model_spec
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

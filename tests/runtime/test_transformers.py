@@ -27,7 +27,7 @@ def test_full_reproduces_dynamic_cache_logits(tiny_model):
     reference = decode_logits(tiny_model, DynamicCache(config=tiny_model.config), ids, 20)
     cache = kvmix.make_cache(tiny_model, f"full:{SMALL}")
     ours = decode_logits(tiny_model, cache, ids, 20)
-    assert cache.layers[0].lengths, "the test must exercise stored blocks"
+    assert cache.layers[0].store.lengths, "the test must exercise stored blocks"
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
 
 
@@ -56,15 +56,15 @@ def test_left_padding_never_enters_statistics():
         model(ids, attention_mask=mask, cache=exact, use_cache=True)
         model(ids, attention_mask=mask, cache=packed, use_cache=True)
     for layer_exact, layer_packed in zip(exact.layers, packed.layers, strict=True):
-        keys = layer_exact.blocks.keys[0, 0]  # block 0 of the padded sequence: [H, 8, D]
-        stored = layer_packed.blocks.keys.minimum[0, 0, :, 0]  # [H, D]
+        keys = layer_exact.store.blocks.keys[0, 0]  # block 0 of the padded sequence: [H, 8, D]
+        stored = layer_packed.store.blocks.keys.minimum[0, 0, :, 0]  # [H, D]
         valid_min, all_min = keys[:, pad:].amin(1), keys.amin(1)
         assert (valid_min != all_min).any(), "padding keys must be able to change the minimum"
         assert torch.all(stored.float() <= valid_min)
         assert torch.all(valid_min - stored.float() < 1e-2)
         # the unpadded sequence's statistics cover all of its tokens
-        other = layer_packed.blocks.keys.minimum[1, 0, :, 0].float()
-        assert torch.all(other <= layer_exact.blocks.keys[1, 0].amin(1))
+        other = layer_packed.store.blocks.keys.minimum[1, 0, :, 0].float()
+        assert torch.all(other <= layer_exact.store.blocks.keys[1, 0].amin(1))
 
 
 def test_left_padded_batch_generates_like_each_sequence_alone():
@@ -92,8 +92,8 @@ def test_beam_search_and_sampling_run(tiny_model):
                                   num_beams=3, do_sample=False, cache=cache)
     assert out.shape == (2, 54)
     assert cache.get_seq_length() == 53  # the last token is produced, never fed back
-    assert len(cache.layers[0].lengths) == (53 - 4 - 16) // 8 + 1
-    assert cache.layers[0].blocks.keys.codes.shape[:2] == (6, 5)  # batch x beams, blocks
+    assert len(cache.layers[0].store.lengths) == (53 - 4 - 16) // 8 + 1
+    assert cache.layers[0].store.blocks.keys.codes.shape[:2] == (6, 5)  # batch x beams, blocks
 
 
 def test_cache_refuses_a_model_that_does_not_commit(tiny_model):
@@ -111,7 +111,7 @@ def test_non_finite_keys_are_refused():
     keys = torch.randn(1, 2, 30, 32)
     keys[0, 0, 10, 0] = float("nan")
     cache.update(keys, torch.randn(1, 2, 30, 32), 0)
-    from kvmix.runtime.cache import take_pending
+    from kvmix.runtime.layer import take_pending
 
     with pytest.raises(ValueError, match="non-finite keys in layer 0"):
         take_pending().commit(torch.randn(1, 4, 30, 32), None)
@@ -144,7 +144,7 @@ def test_per_layer_bits_are_used_per_layer(tiny_model):
     cache = kvmix.make_cache(tiny_model, f"kxvy:key_bits=1/8,value_bits=2/4,{SMALL}")
     with torch.no_grad():
         tiny_model(torch.randint(1, 97, (1, 40)), cache=cache, use_cache=True)
-    first, second = (layer.blocks for layer in cache.layers)
+    first, second = (layer.store.blocks for layer in cache.layers)
     assert (first.keys.bits, second.keys.bits) == (1, 8)
     assert (first.values.bits, second.values.bits) == (2, 4)
     assert second.keys.codes.numel() == 8 * first.keys.codes.numel()

@@ -13,11 +13,12 @@ import torch
 from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
-from kvmix.runtime.cache import KVMixCache, model_spec, take_pending
-from kvmix.evaluation.calibration import collect_moments, compute_transforms
-from kvmix.methods import method_names, parse_method
 from kvmix.core.transforms import TransformSet, save_transforms
 from kvmix.core.tree import map_tensors, tensor_bytes
+from kvmix.evaluation.calibration import collect_moments, compute_transforms
+from kvmix.methods import method_names, parse_method
+from kvmix.runtime.cache import KVMixCache, model_spec
+from kvmix.runtime.layer import take_pending
 
 SINK, RESIDUAL, GROUP = 4, 16, 8
 B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
@@ -66,7 +67,7 @@ def feed(cache: KVMixCache, tokens: int, seed: int = 0, dtype=torch.float16) -> 
 
 
 def layer0(cache):
-    return cache.layers[0]
+    return cache.layers[0].store
 
 
 def view(cache):

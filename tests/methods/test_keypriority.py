@@ -9,12 +9,13 @@ from transformers import LlamaConfig
 
 import kvmix
 from kvmix.core.allocation import allocate
-from kvmix.runtime.cache import KVMixCache, take_pending
-from kvmix.runtime.folding import prepare_model
+from kvmix.core.transforms import hadamard
 from kvmix.methods import parse_method
 from kvmix.methods.backends import dequantize_rows, quantize_rows
-from kvmix.core.transforms import hadamard
 from kvmix.models.weights import kv_weights, weight_norms
+from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.layer import take_pending
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 
@@ -90,7 +91,7 @@ def test_budget_mode_plans_per_layer_bits_from_the_model(tiny_model):
     assert sum(plan["key_bits"]) + sum(plan["value_bits"]) == 3 * 2 * 2
     with torch.no_grad():
         tiny_model(torch.randint(1, 97, (1, 40)), cache=cache, use_cache=True)
-    assert [layer.blocks.keys.bits for layer in cache.layers] == plan["key_bits"]
+    assert [layer.store.blocks.keys.bits for layer in cache.layers] == plan["key_bits"]
     with pytest.raises(ValueError, match="budget mode needs the model's W_K/W_V norms"):
         KVMixCache("kxvy:budget=3", LlamaConfig(**TINY))
     with pytest.raises(ValueError, match=r"budget=9\.0 is outside the allowed widths"):
@@ -118,7 +119,7 @@ def test_key_rotation_stores_rotated_keys_and_keeps_logits(tiny_model):
         with torch.no_grad():
             runner(ids, cache=cache, use_cache=True)
             logits[rotate] = runner(ids[:, :5], cache=cache, use_cache=True).logits
-        layers[rotate] = cache.layers[0]
+        layers[rotate] = cache.layers[0].store
     for rotate in ("keys", "values", "both"):
         torch.testing.assert_close(logits[rotate], logits["none"], rtol=0, atol=5e-3)
     h = hadamard(D)
@@ -161,7 +162,7 @@ def test_library_backends_in_the_cache_count_their_bytes(tiny_model, backend):
     with torch.no_grad():
         tiny_model(torch.randint(1, 97, (2, 45)), cache=cache, use_cache=True)
     kinds = cache.nbytes_breakdown()
-    blocks = len(cache.layers[0].lengths) * 2 * 2 * H * 8 * D  # blocks·layers·B·H·G·D
+    blocks = len(cache.layers[0].store.lengths) * 2 * 2 * H * 8 * D  # blocks·layers·B·H·G·D
     assert kinds["codes"] * 8 == blocks * (4 + 2)
     assert cache.nbytes() == cache.theoretical_nbytes()
     native = kvmix.make_cache(tiny_model, "kxvy:key_bits=4,value_bits=2,sink=4,residual=16,group=8")
@@ -190,7 +191,7 @@ def test_padding_stays_out_of_library_statistics():
                        LlamaConfig(**TINY))
     cache.update(keys, keys.clone(), 0)
     take_pending().commit(gaussian(1, HQ, 8, D), valid[:, None, None, :])
-    decoded = cache.layers[0].decode_blocks()[0]
+    decoded = cache.layers[0].store.decode_blocks()[0]
     real = keys[:, :, 3:]
     step = (real.amax(-2) - real.amin(-2)) / 15
     assert ((decoded[:, :, 3:] - real).abs() <= step.unsqueeze(-2) * 0.51 + 1e-3).all()

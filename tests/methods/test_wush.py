@@ -10,9 +10,6 @@ from conftest import tiny_llama
 from safetensors import safe_open
 
 import kvmix
-from kvmix.evaluation.calibration import collect_moments, compute_transforms
-from kvmix.runtime.folding import prepare_model
-from kvmix.methods import parse_method
 from kvmix.core.quantizers import (
     QUEST_CLIP,
     dequantize,
@@ -27,9 +24,13 @@ from kvmix.core.transforms import (
     block_transform,
     hadamard,
     load_transforms,
+    right_multipliers,
+    save_multipliers,
     save_transforms,
 )
-from kvmix.commands.transforms import right_multipliers, save_multipliers
+from kvmix.evaluation.calibration import collect_moments, compute_transforms
+from kvmix.methods import parse_method
+from kvmix.runtime.folding import prepare_model
 
 LAYOUT = "sink=4,residual=16,group=8"
 

@@ -10,9 +10,10 @@ from conftest import TINY
 from transformers import LlamaConfig
 
 import kvmix
-from kvmix.runtime.cache import KVMixCache, take_pending
-from kvmix.methods import ModelSpec, parse_method
 from kvmix.commands.sweep import BUDGETS, method_at
+from kvmix.methods import ModelSpec, parse_method
+from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.layer import take_pending
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)
@@ -53,7 +54,7 @@ def test_bytes_held_match_the_formula_at_default_groups(spec):
                    gaussian(2, H, tokens, D, seed=3))
     key_bits, value_bits = cache.method.bits(0, torch.float32)
     kinds = cache.nbytes_breakdown()
-    elements = 2 * H * len(cache.layers[0].lengths) * 128 * D
+    elements = 2 * H * len(cache.layers[0].store.lengths) * 128 * D
     assert (kinds["codes"] + kinds["scales"] + kinds["zeros"]) * 8 == pytest.approx(
         elements * (key_bits + value_bits))
     assert cache.nbytes() == cache.theoretical_nbytes()
@@ -65,7 +66,7 @@ def test_kitty_promotes_the_largest_magnitude_channels():
     for head, channels in loud.items():
         keys[:, head, :, channels] *= 100
     cache = filled("kitty:ratio=0.1,sink=4,residual=16,group=8", keys, gaussian(2, HQ, 40, D))
-    promoted = cache.method.high_index(cache.layers[0].selection, 2)  # [B, H, round(0.1·32)]
+    promoted = cache.method.high_index(cache.layers[0].store.selection, 2)  # [B, H, round(0.1·32)]
     for head, channels in loud.items():
         assert promoted[:, head].tolist() == [channels, channels]
 
@@ -74,7 +75,7 @@ def test_kitty_channels_ignore_queries_and_cost_a_d_bit_mask():
     keys = gaussian(1, H, 40, D)
     a = filled("kitty:sink=4,residual=16,group=8", keys, gaussian(1, HQ, 40, D))
     b = filled("kitty:sink=4,residual=16,group=8", keys, gaussian(1, HQ, 40, D, seed=9) * 50)
-    assert torch.equal(a.layers[0].selection.bits, b.layers[0].selection.bits)
+    assert torch.equal(a.layers[0].store.selection.bits, b.layers[0].store.selection.bits)
     assert a.nbytes_breakdown()["masks"] * 8 == H * D
 
 
@@ -98,11 +99,11 @@ def test_chanmix_classes_have_the_documented_fractions_and_criteria():
 def test_chanmix_reconstruction_error_falls_with_class_bits():
     keys = gaussian(1, H, 17, D)
     cache = filled("chanmix:sink=0,residual=16,group=8", keys, gaussian(1, HQ, 17, D))
-    decoded = cache.layers[0].decode_blocks()[0]
+    decoded = cache.layers[0].store.decode_blocks()[0]
     error = (decoded - keys[:, :, :8]).abs().amax(-2)  # [1, H, D]
     step = (keys[:, :, :8].amax(-2) - keys[:, :, :8].amin(-2))  # [1, H, D]
-    for index, bits in zip(cache.method.class_index(cache.layers[0].selection, 1), (4, 3, 2, 1),
-                           strict=True):
+    classes = cache.method.class_index(cache.layers[0].store.selection, 1)
+    for index, bits in zip(classes, (4, 3, 2, 1), strict=True):
         ratio = error.gather(-1, index) / step.gather(-1, index)
         assert (ratio <= 0.5 / (2**bits - 1) + 1e-3).all()
 
@@ -112,7 +113,7 @@ def test_polar_reconstructs_each_pair_within_its_radius_and_angle_steps(radius_b
     keys = gaussian(2, H, 129, D) * 3
     spec = f"polar:radius_bits={radius_bits},angle_bits={angle_bits},sink=0"
     cache = filled(spec, keys, gaussian(2, HQ, 129, D))
-    decoded = cache.layers[0].decode_blocks()[0]  # [2, H, 128, D]
+    decoded = cache.layers[0].store.decode_blocks()[0]  # [2, H, 128, D]
     exact = keys[:, :, :128]
     a, b = exact[..., PAIRS[:, 0]], exact[..., PAIRS[:, 1]]
     a_hat, b_hat = decoded[..., PAIRS[:, 0]], decoded[..., PAIRS[:, 1]]
@@ -138,7 +139,7 @@ def test_generate_on_the_tiny_model(tiny_model, spec):
     with torch.no_grad():
         out = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                                   min_new_tokens=24, do_sample=False, num_beams=2, cache=cache)
-    assert out.shape == (2, 54) and cache.layers[0].lengths
+    assert out.shape == (2, 54) and cache.layers[0].store.lengths
     assert cache.nbytes() == cache.theoretical_nbytes()
 
 

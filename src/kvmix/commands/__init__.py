@@ -1,0 +1,20 @@
+"""The command line's commands: one module each, with a configuration dataclass, a ``run_*``
+function and ``add_parser``. ``kvmix --help`` lists them in this order."""
+
+from kvmix.commands import (
+    bench,
+    calibrate,
+    compare,
+    criteria,
+    export,
+    keyfirst,
+    methods,
+    norms,
+    pairscore,
+    recon,
+    sweep,
+    transforms,
+)
+
+COMMANDS = (compare, bench, criteria, pairscore, sweep, norms, keyfirst, recon, calibrate,
+            transforms, export, methods)

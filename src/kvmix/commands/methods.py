@@ -1,0 +1,27 @@
+"""``kvmix methods``: every method and preset, its parameters and its bit formula."""
+
+from __future__ import annotations
+
+from kvmix.evaluation.report import print_table
+from kvmix.methods import method_classes, parameters, presets
+
+
+def add_parser(commands) -> None:
+    parser = commands.add_parser("methods", help="list methods, presets, parameters, bit formulas")
+    parser.set_defaults(run=lambda args: run_methods())
+
+
+def run_methods() -> list[dict]:
+    rows = [{"method": name, "about": cls.summary, "bits": cls.describe(),
+             "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
+            for name, cls in method_classes().items()]
+    rows += [{"method": name, "about": f"preset of {cls.name}",
+              "parameters": ", ".join(f"{k}={v}" for k, v in params.items())}
+             for name, (cls, params) in presets().items()]
+    print_table("kvmix methods", rows, {"method": "method", "about": "about",
+                                        "bits": "bits per element", "parameters": "parameters"})
+    return rows
+
+
+def _show(value) -> str:
+    return "/".join(map(str, value)) if isinstance(value, tuple) else str(value)

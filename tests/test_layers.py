@@ -1,0 +1,61 @@
+"""The package's folders are its layers: a module imports only from its own layer or below, and
+only the model-loading and runtime modules import transformers."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvmix"
+LAYERS = ("core", "methods", "models", "runtime", "evaluation", "commands", "cli")
+TRANSFORMERS_ALLOWED = ("models/loading.py", "runtime/")
+MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
+
+
+def layer_of(relative: str) -> str:
+    return relative.split("/")[0].removesuffix(".py")
+
+
+def imported(path: Path) -> list[str]:
+    """Every absolute module name ``path`` imports, at any depth (lazy imports included)."""
+    names = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, f"{path}: use absolute imports"
+            names.append(node.module)
+    return names
+
+
+def test_every_module_belongs_to_a_layer():
+    strays = [str(p.relative_to(PACKAGE)) for p in MODULES
+              if layer_of(str(p.relative_to(PACKAGE))) not in LAYERS]
+    assert not strays
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_down(path):
+    relative = str(path.relative_to(PACKAGE))
+    own = LAYERS.index(layer_of(relative))
+    for name in imported(path):
+        if name == "kvmix":
+            pytest.fail(f"{relative} imports the top-level package (which imports every layer)")
+        if name.startswith("kvmix."):
+            target = name.split(".")[1]
+            assert LAYERS.index(target) <= own, f"{relative} ({LAYERS[own]}) imports {name}"
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_loading_and_runtime_import_transformers(path):
+    relative = str(path.relative_to(PACKAGE))
+    uses = any(n.split(".")[0] == "transformers" for n in imported(path))
+    assert not uses or relative.startswith(TRANSFORMERS_ALLOWED), relative
+
+
+def test_the_checker_sees_a_violation(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from kvmix.commands.compare import run_compare\n")
+    assert "kvmix.commands.compare" in imported(bad)
