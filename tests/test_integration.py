@@ -9,6 +9,7 @@ import torch
 
 import kvmix
 from kvmix.commands.compare import CompareConfig, run_compare
+from kvmix.core.memory import reachable_bytes
 from kvmix.evaluation.data import load_text, token_ids
 from kvmix.evaluation.scoring import score, token_kl
 
@@ -47,16 +48,23 @@ def test_fewer_bits_cost_more_accuracy(real_model, prose_ids, full_scored):
     assert kl["kivi4"] < kl["kivi2"]
 
 
-def test_generate_on_the_real_model(real_model):
-    tok = real_model.tokenizer
-    ids = tok(["The capital of France is", "def fibonacci(n):"], return_tensors="pt",
-              padding=True, padding_side="left")
-    cache = kvmix.make_cache(real_model.model, "kivi2:residual=32")
+@pytest.mark.parametrize("method", ["kivi2:residual=32", "pnmix1:residual=64,group=64"])
+def test_a_padded_batch_on_the_real_model_generates_what_each_prompt_generates_alone(
+        real_model, method):
+    tok, model = real_model.tokenizer, real_model.model
+    text = load_text("prose")
+    prompts = [text[:1200], text[5000:5700]]  # about 300 and 170 tokens
+    batch = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    greedy = {"max_new_tokens": 64, "min_new_tokens": 64, "do_sample": False}
+    cache = kvmix.make_cache(model, method)
     with torch.no_grad():
-        out = real_model.model.generate(**ids, cache=cache, max_new_tokens=48, min_new_tokens=48,
-                                        do_sample=False)
-    assert out.shape[1] == ids.input_ids.shape[1] + 48
-    assert cache.layers[0].store.lengths and cache.nbytes() == cache.theoretical_nbytes()
+        together = model.generate(**batch, cache=cache, **greedy)
+        for b, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt")
+            alone = model.generate(**ids, cache=kvmix.make_cache(model, method), **greedy)
+            assert torch.equal(together[b, -64:], alone[0, -64:]), f"prompt {b}"
+    assert cache.layers[0].rows[0].lengths and cache.layers[0].rows[1].lengths
+    assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
 
 
 def test_compare_writes_the_documented_json(real_model, tmp_path):
@@ -78,15 +86,33 @@ def test_compare_writes_the_documented_json(real_model, tmp_path):
     assert [r["ppl"] for r in rows] == [r["ppl"] for r in payload["rows"]]
 
 
-def test_bench_measures_every_method(real_model, tmp_path):
+def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, monkeypatch):
+    """A clock that moves only inside the model: 1 per decode step, 1000 per prefill. The
+    timed window must hold exactly the new tokens (no prefill, no warmup)."""
+    from kvmix.commands import bench
     from kvmix.commands.bench import BenchConfig, run_bench
 
-    rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=96, new_tokens=4,
-                                 warmup=1, out=str(tmp_path)), loaded=real_model)
+    clock = [0.0]
+
+    def tick(module, args, kwargs) -> None:
+        ids = args[0] if args else kwargs["input_ids"]
+        clock[0] += 1.0 if ids.shape[1] == 1 else 1000.0
+
+    hook = real_model.model.register_forward_pre_hook(tick, with_kwargs=True)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    try:
+        rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=[96],
+                                     new_tokens=4, warmup=2, out=str(tmp_path)),
+                         loaded=real_model)
+    finally:
+        hook.remove()
     assert [r["method"] for r in rows] == ["full", "kivi2:residual=32"]
-    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["tokens_per_s"] == 1.0 and r["prefill_s"] == 1000.0 for r in rows)
     assert rows[1]["nbytes"] < rows[0]["nbytes"] / 2
-    assert json.loads((tmp_path / "results.json").read_text())["model"]["layers"] == 30
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["model"]["layers"] == 30
+    assert all(isinstance(r["peak_bytes"], int) and isinstance(r["steady_bytes"], int)
+               for r in saved["rows"])
 
 
 def test_pnmix_on_the_real_model(real_model, prose_ids, full_scored):
@@ -126,7 +152,7 @@ def test_baselines_generate_on_the_real_model(real_model, spec):
         out = real_model.model.generate(**ids, cache=cache, max_new_tokens=40, min_new_tokens=40,
                                         do_sample=False)
     assert out.shape[1] == ids.input_ids.shape[1] + 40
-    assert cache.layers[0].store.lengths and cache.nbytes() == cache.theoretical_nbytes()
+    assert cache.layers[0].rows[0].lengths and cache.nbytes() == cache.theoretical_nbytes()
 
 
 def test_sweep_writes_rows_and_a_pareto_plot(real_model, tmp_path):

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 from conftest import TINY
+from helpers import attend, per_row
 from transformers import LlamaConfig
 
 import kvmix
 from kvmix.commands.sweep import BUDGETS, method_at
 from kvmix.methods import ModelSpec, parse_method
 from kvmix.runtime.cache import KVMixCache
-from kvmix.runtime.layer import take_pending
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)
@@ -27,7 +27,7 @@ def gaussian(*shape, seed=0):
 def filled(spec: str, keys, queries, values=None) -> KVMixCache:
     cache = KVMixCache(parse_method(spec), LlamaConfig(**TINY), PAIRS)
     cache.update(keys, torch.zeros_like(keys) if values is None else values, 0)
-    take_pending().commit(queries, None)
+    attend(cache, queries)
     return cache
 
 
@@ -54,7 +54,7 @@ def test_bytes_held_match_the_formula_at_default_groups(spec):
                    gaussian(2, H, tokens, D, seed=3))
     key_bits, value_bits = cache.method.bits(0, torch.float32)
     kinds = cache.nbytes_breakdown()
-    elements = 2 * H * len(cache.layers[0].store.lengths) * 128 * D
+    elements = 2 * H * len(cache.layers[0].rows[0].lengths) * 128 * D
     assert (kinds["codes"] + kinds["scales"] + kinds["zeros"]) * 8 == pytest.approx(
         elements * (key_bits + value_bits))
     assert cache.nbytes() == cache.theoretical_nbytes()
@@ -66,7 +66,8 @@ def test_kitty_promotes_the_largest_magnitude_channels():
     for head, channels in loud.items():
         keys[:, head, :, channels] *= 100
     cache = filled("kitty:ratio=0.1,sink=4,residual=16,group=8", keys, gaussian(2, HQ, 40, D))
-    promoted = cache.method.high_index(cache.layers[0].store.selection, 2)  # [B, H, round(0.1·32)]
+    promoted = per_row(cache.layers[0], lambda row: cache.method.high_index(row.selection, 1))
+    # promoted: [B, H, round(0.1·32)]
     for head, channels in loud.items():
         assert promoted[:, head].tolist() == [channels, channels]
 
@@ -75,7 +76,7 @@ def test_kitty_channels_ignore_queries_and_cost_a_d_bit_mask():
     keys = gaussian(1, H, 40, D)
     a = filled("kitty:sink=4,residual=16,group=8", keys, gaussian(1, HQ, 40, D))
     b = filled("kitty:sink=4,residual=16,group=8", keys, gaussian(1, HQ, 40, D, seed=9) * 50)
-    assert torch.equal(a.layers[0].store.selection.bits, b.layers[0].store.selection.bits)
+    assert torch.equal(a.layers[0].rows[0].selection.bits, b.layers[0].rows[0].selection.bits)
     assert a.nbytes_breakdown()["masks"] * 8 == H * D
 
 
@@ -89,7 +90,7 @@ def test_chanmix_classes_have_the_documented_fractions_and_criteria():
     keys[:, 0, :, 7] = torch.linspace(-30, 30, 50)  # channel 7: the widest key range...
     queries[:, :3, :, 7] = 0.0  # ...and no query-key contribution
     keys[:, 0, :, 11] = 1e-3  # channel 11: the smallest magnitude
-    classes = method.classify(queries, keys, None)  # [1, 3, 64]
+    classes = method.classify(queries, keys)  # [1, 3, 64]
     counts = [(classes == c).sum(-1) for c in range(4)]
     assert all(torch.equal(n, torch.full((1, 3), m)) for n, m in zip(counts, (4, 8, 36, 16),
                                                                     strict=True))
@@ -99,10 +100,10 @@ def test_chanmix_classes_have_the_documented_fractions_and_criteria():
 def test_chanmix_reconstruction_error_falls_with_class_bits():
     keys = gaussian(1, H, 17, D)
     cache = filled("chanmix:sink=0,residual=16,group=8", keys, gaussian(1, HQ, 17, D))
-    decoded = cache.layers[0].store.decode_blocks()[0]
+    decoded = per_row(cache.layers[0], lambda row: row.decode_blocks(torch.float32)[0])
     error = (decoded - keys[:, :, :8]).abs().amax(-2)  # [1, H, D]
     step = (keys[:, :, :8].amax(-2) - keys[:, :, :8].amin(-2))  # [1, H, D]
-    classes = cache.method.class_index(cache.layers[0].store.selection, 1)
+    classes = cache.method.class_index(cache.layers[0].rows[0].selection, 1)
     for index, bits in zip(classes, (4, 3, 2, 1), strict=True):
         ratio = error.gather(-1, index) / step.gather(-1, index)
         assert (ratio <= 0.5 / (2**bits - 1) + 1e-3).all()
@@ -113,7 +114,8 @@ def test_polar_reconstructs_each_pair_within_its_radius_and_angle_steps(radius_b
     keys = gaussian(2, H, 129, D) * 3
     spec = f"polar:radius_bits={radius_bits},angle_bits={angle_bits},sink=0"
     cache = filled(spec, keys, gaussian(2, HQ, 129, D))
-    decoded = cache.layers[0].store.decode_blocks()[0]  # [2, H, 128, D]
+    decoded = per_row(cache.layers[0], lambda row: row.decode_blocks(torch.float32)[0])
+    # decoded: [2, H, 128, D]
     exact = keys[:, :, :128]
     a, b = exact[..., PAIRS[:, 0]], exact[..., PAIRS[:, 1]]
     a_hat, b_hat = decoded[..., PAIRS[:, 0]], decoded[..., PAIRS[:, 1]]
@@ -139,7 +141,7 @@ def test_generate_on_the_tiny_model(tiny_model, spec):
     with torch.no_grad():
         out = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24,
                                   min_new_tokens=24, do_sample=False, num_beams=2, cache=cache)
-    assert out.shape == (2, 54) and cache.layers[0].store.lengths
+    assert out.shape == (2, 54) and cache.layers[0].rows[0].lengths
     assert cache.nbytes() == cache.theoretical_nbytes()
 
 

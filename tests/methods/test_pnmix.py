@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY, tiny_llama
+from helpers import attend, per_row
 from transformers import LlamaConfig
 
 import kvmix
@@ -13,7 +14,6 @@ from kvmix.core.packing import unpack
 from kvmix.core.quantizers import dequantize, quantize
 from kvmix.methods import ModelSpec, parse_method
 from kvmix.runtime.cache import KVMixCache
-from kvmix.runtime.layer import take_pending
 
 H, HQ, D = TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)
@@ -27,8 +27,15 @@ def make(spec: str, layers: int = 2) -> KVMixCache:
 
 def fill(cache: KVMixCache, keys, values, queries, valid=None, layer: int = 0) -> None:
     cache.update(keys, values, layer)
-    mask = None if valid is None else valid[:, None, None, :]
-    take_pending().commit(queries, mask)
+    attend(cache, queries, None if valid is None else valid[:, None, None, :])
+
+
+def bits(row) -> torch.Tensor:
+    return row.selection.bits
+
+
+def decoded_keys(row) -> torch.Tensor:
+    return row.decode_blocks(torch.float32)[0]
 
 
 def gaussian(*shape, seed=0):
@@ -36,8 +43,7 @@ def gaussian(*shape, seed=0):
 
 
 def high_channels(cache, layer=0):
-    store = cache.layers[layer].store
-    return cache.method.high_index(store.selection, store.sink_keys.shape[0])
+    return per_row(cache.layers[layer], lambda row: cache.method.high_index(row.selection, 1))
 
 
 def test_selection_follows_the_queries_when_keys_stay_the_same():
@@ -92,17 +98,17 @@ def test_the_mask_has_one_bit_per_sequence_layer_head_and_pair():
         fill(cache, gaussian(batch, H, 30, D, seed=layer), gaussian(batch, H, 30, D),
              gaussian(batch, HQ, 30, D), layer=layer)
     assert cache.nbytes_breakdown()["masks"] * 8 == batch * layers * H * D // 2
-    masks = [layer.store.selection.bits for layer in cache.layers]
+    masks = [per_row(layer, bits) for layer in cache.layers]
     index = torch.tensor([2, 0, 0])
     cache.reorder_cache(index)
     for layer, mask in zip(cache.layers, masks, strict=True):
-        assert torch.equal(layer.store.selection.bits, mask[index])
+        assert torch.equal(per_row(layer, bits), mask[index])
     cache.batch_repeat_interleave(2)
-    assert cache.layers[0].store.selection.bits.shape[0] == 6
+    assert per_row(cache.layers[0], bits).shape[0] == 6
     cache.batch_select_indices(torch.tensor([1, 4]))
-    assert torch.equal(cache.layers[0].store.selection.bits, masks[0][[2, 0]])
+    assert torch.equal(per_row(cache.layers[0], bits), masks[0][[2, 0]])
     cache.crop(-5)
-    assert torch.equal(cache.layers[0].store.selection.bits, masks[0][[2, 0]])
+    assert torch.equal(per_row(cache.layers[0], bits), masks[0][[2, 0]])
 
 
 @pytest.mark.parametrize("preset, high, group", [("pnmix1", 16, 128), ("pnmix2", 12, 64)])
@@ -116,7 +122,7 @@ def test_bytes_match_the_formula_for_both_presets(preset, high, group):
     if preset == "pnmix1":
         assert key_bits == pytest.approx(0.5 * 3 + 0.5 * 1 + 32 / 128)  # the paper's formula
     kinds = cache.nbytes_breakdown()
-    blocks = len(cache.layers[0].store.lengths)
+    blocks = len(cache.layers[0].rows[0].lengths)
     assert blocks == 3
     elements = 2 * H * blocks * group * D
     assert (kinds["codes"] + kinds["scales"] + kinds["zeros"]) * 8 == pytest.approx(
@@ -132,7 +138,7 @@ def test_one_bit_correction_halves_the_error_of_one_bit_min_max():
         cache = make(f"pnmix:ratio=0,one_bit_correction={correction},sink=0,residual=128,group=128")
         fill(cache, torch.cat([keys, keys[:, :, :1]], 2), torch.zeros(4, H, 129, D),
              gaussian(4, HQ, 129, D))
-        decoded = cache.layers[0].store.decode_blocks()[0]
+        decoded = per_row(cache.layers[0], decoded_keys)
         errors[correction] = (decoded - keys).pow(2).mean().item()
     assert errors[True] <= errors[False] / 2
 
@@ -145,7 +151,7 @@ def test_ratio_one_is_three_bit_per_channel_keys_exactly():
                  f"kxvy:key_bits=3,{layout}"):
         cache = make(spec)
         fill(cache, keys, torch.zeros_like(keys), gaussian(2, HQ, 129, D))
-        decoded[spec[:4]] = cache.layers[0].store.decode_blocks()[0]
+        decoded[spec[:4]] = per_row(cache.layers[0], decoded_keys)
     assert torch.equal(decoded["pnmi"], decoded["kxvy"])
 
 
@@ -153,7 +159,7 @@ def test_high_channels_store_their_one_bit_code_in_the_top_bit():
     keys = gaussian(1, H, 17, D)
     cache = make("pnmix:ratio=0.5,sink=0,residual=16,group=8")
     fill(cache, keys, torch.zeros_like(keys), gaussian(1, HQ, 17, D))
-    stored = cache.layers[0].store.blocks.keys
+    stored = cache.layers[0].rows[0].blocks.keys
     low = unpack(stored.low, 1, H * 8 * D).view(1, 1, H, 8, D)[0, 0]
     one_bit = dequantize(quantize(keys[:, :, :8], 1, dim=-2, center=True))  # [1, H, 8, D]
     lower_half = one_bit < keys[:, :, :8].amin(-2, keepdim=True) + (
@@ -166,10 +172,10 @@ def test_sink_zero_quantizes_from_the_first_token():
     fill(cache, gaussian(1, H, 30, D), gaussian(1, H, 30, D), gaussian(1, HQ, 30, D))
     with_sink = make(f"pnmix:{SMALL}")
     fill(with_sink, gaussian(1, H, 30, D), gaussian(1, H, 30, D), gaussian(1, HQ, 30, D))
-    bare, sunk = cache.layers[0].store, with_sink.layers[0].store
+    bare, sunk = cache.layers[0].rows[0], with_sink.layers[0].rows[0]
     assert bare.sink_keys.shape[-2] == 0 and len(bare.lengths) == 2
     assert sunk.sink_keys.shape[-2] == 4 and len(sunk.lengths) == 2
-    torch.testing.assert_close(sunk.materialize()[0][..., :4, :],
+    torch.testing.assert_close(sunk.history(torch.float32)[0][..., :4, :],
                                gaussian(1, H, 30, D)[..., :4, :], rtol=0, atol=0)
 
 
@@ -184,8 +190,8 @@ def test_online_selection_reselects_per_block_and_pays_for_its_indices():
         query[..., PAIRS[step % (D // 2)]] = 1000.0
         for cache in (prefill, online):
             fill(cache, gaussian(1, H, 1, D, seed=10 + step), gaussian(1, H, 1, D), query)
-    index = online.layers[0].store.blocks.keys.index  # [1, n, H, k]
-    assert index is not None and prefill.layers[0].store.blocks.keys.index is None
+    index = online.layers[0].rows[0].blocks.keys.index  # [1, n, H, k]
+    assert index is not None and prefill.layers[0].rows[0].blocks.keys.index is None
     assert not torch.equal(index[:, 0], index[:, -1])  # re-selected from accumulated statistics
     extra = online.nbytes_breakdown()["masks"] - prefill.nbytes_breakdown()["masks"]
     assert extra > index.numel()  # per-block indices plus running sums

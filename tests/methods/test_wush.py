@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from conftest import tiny_llama
+from helpers import attend
 from safetensors import safe_open
 
 import kvmix
@@ -24,7 +25,6 @@ from kvmix.core.transforms import (
     block_transform,
     hadamard,
     load_transforms,
-    right_multipliers,
     save_multipliers,
     save_transforms,
 )
@@ -92,15 +92,22 @@ def test_percentile_clipping_clips_exactly_the_stated_fraction(percentile):
     assert ((x_hat - x).abs()[clipped] > 0).all()
 
 
-def test_transforms_satisfy_the_invariants_in_float64(transforms_file):
-    loaded = load_transforms(transforms_file)
-    assert loaded.meta["damping"] == "0.01" and set(loaded.keys) == set(KINDS)
-    for kind in KINDS:
-        right = right_multipliers(loaded, kind)  # [L, H, blocks, b, b]
-        eye = torch.eye(right["q_right"].shape[-1], dtype=torch.float64)
-        assert right["q_right"].dtype == torch.float64
-        assert ((right["q_right"] @ right["k_right"].transpose(-1, -2)) - eye).abs().max() < 1e-8
-        assert ((right["v_right"] @ right["o_right"]) - eye).abs().max() < 1e-8
+@pytest.mark.parametrize("kind", KINDS)
+def test_scores_are_preserved_through_the_real_cache(model, transforms_file, kind):
+    """The float32 matrices the cache and the hook really use keep q·k: keys stored in the
+    residual (full precision, transformed) against queries transformed by the hook."""
+    method = f"wush:transforms={transforms_file},transform={kind},{LAYOUT}"
+    cache = kvmix.make_cache(prepare_model(model, method), method)
+    keys, values, queries = gaussian(1, 2, 10, 32), gaussian(1, 2, 10, 32), gaussian(1, 4, 1, 32)
+    cache.update(keys, values, 1)
+    attend(cache, queries.expand(1, 4, 10, 32).contiguous())
+    row = cache.layers[1].rows[0]
+    stored = torch.cat([row.sink_keys, row.res_keys], 2)  # [1, 2, 10, 32]
+    moved = cache.method.transform_queries(queries, 1)  # what the hook hands the layer
+    exact = queries @ keys.repeat_interleave(2, 1).transpose(-1, -2)
+    through = moved @ stored.repeat_interleave(2, 1).transpose(-1, -2)
+    torch.testing.assert_close(through, exact, rtol=1e-4, atol=1e-4)
+    assert kind == "identity" or not torch.allclose(stored, keys, atol=1e-2)
 
 
 def test_wush_is_not_the_identity(transforms_file):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from helpers import attend
 from transformers import DynamicCache
 
 import kvmix
@@ -27,7 +28,7 @@ def test_full_reproduces_dynamic_cache_logits(tiny_model):
     reference = decode_logits(tiny_model, DynamicCache(config=tiny_model.config), ids, 20)
     cache = kvmix.make_cache(tiny_model, f"full:{SMALL}")
     ours = decode_logits(tiny_model, cache, ids, 20)
-    assert cache.layers[0].store.lengths, "the test must exercise stored blocks"
+    assert cache.layers[0].rows[0].lengths, "the test must exercise stored blocks"
     torch.testing.assert_close(ours, reference, rtol=0, atol=1e-5)
 
 
@@ -43,57 +44,37 @@ def test_quantized_cache_is_read_while_decoding(tiny_model):
     assert (eight - reference).abs().max() < (two - reference).abs().max() / 10
 
 
-def test_left_padding_never_enters_statistics():
+def test_padding_never_enters_a_sequences_store():
+    """Each sequence holds only its own tokens: its sink is its first real tokens and its first
+    block starts right after them, whatever padding its batch-mates forced."""
     model = tiny_llama(seed=3)
     ids = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(3))
     mask = torch.ones_like(ids)
-    pad = 3
+    pad = 7
     ids[0, :pad], mask[0, :pad] = 0, 0
-    layout = "sink=0,residual=16,group=8"
-    exact = kvmix.make_cache(model, f"full:{layout}")
-    packed = kvmix.make_cache(model, f"kxvy:key_bits=2,value_bits=2,{layout}")
+    exact = kvmix.make_cache(model, f"full:{SMALL}")
     with torch.no_grad():
-        model(ids, attention_mask=mask, cache=exact, use_cache=True)
-        model(ids, attention_mask=mask, cache=packed, use_cache=True)
-    for layer_exact, layer_packed in zip(exact.layers, packed.layers, strict=True):
-        keys = layer_exact.store.blocks.keys[0, 0]  # block 0 of the padded sequence: [H, 8, D]
-        stored = layer_packed.store.blocks.keys.minimum[0, 0, :, 0]  # [H, D]
-        valid_min, all_min = keys[:, pad:].amin(1), keys.amin(1)
-        assert (valid_min != all_min).any(), "padding keys must be able to change the minimum"
-        assert torch.all(stored.float() <= valid_min)
-        assert torch.all(valid_min - stored.float() < 1e-2)
-        # the unpadded sequence's statistics cover all of its tokens
-        other = layer_packed.store.blocks.keys.minimum[1, 0, :, 0].float()
-        assert torch.all(other <= layer_exact.store.blocks.keys[1, 0].amin(1))
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)  # as generate gives a padded batch
+        model(ids, attention_mask=mask, position_ids=positions, cache=exact, use_cache=True)
+        alone = kvmix.make_cache(model, f"full:{SMALL}")
+        model(ids[:1, pad:], cache=alone, use_cache=True)
+    padded, full_row = exact.layers[0].rows
+    assert (len(padded), len(full_row)) == (40 - pad, 40)
+    assert (len(padded.lengths), len(full_row.lengths)) == (
+        (40 - pad - 4 - 16) // 8 + 1, (40 - 4 - 16) // 8 + 1)
+    solo = alone.layers[0].rows[0].history(torch.float32)
+    for got, expected in zip(padded.history(torch.float32), solo, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
-def test_left_padded_batch_generates_like_each_sequence_alone():
-    model = tiny_llama(seed=4)
-    g = torch.Generator().manual_seed(4)
-    short = torch.randint(1, 97, (1, 30), generator=g)
-    long = torch.randint(1, 97, (1, 36), generator=g)
-    batch = torch.cat([torch.cat([torch.zeros(1, 6, dtype=torch.long), short], 1), long])
-    mask = (batch != 0).long()
-    mask[1] = 1
-    method = f"kxvy:key_bits=4,value_bits=4,{SMALL}"
-    with torch.no_grad():
-        greedy = {"max_new_tokens": 25, "min_new_tokens": 25, "do_sample": False}
-        together = model.generate(batch, attention_mask=mask, cache=kvmix.make_cache(model, method),
-                                  **greedy)
-        alone = model.generate(long, cache=kvmix.make_cache(model, method), **greedy)
-    assert torch.equal(together[1, 36:], alone[0, 36:])
-
-
-def test_beam_search_and_sampling_run(tiny_model):
-    ids = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(5))
-    cache = kvmix.make_cache(tiny_model, f"kivi2:{SMALL}")
-    with torch.no_grad():
-        out = tiny_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=30,
-                                  num_beams=3, do_sample=False, cache=cache)
-    assert out.shape == (2, 54)
-    assert cache.get_seq_length() == 53  # the last token is produced, never fed back
-    assert len(cache.layers[0].store.lengths) == (53 - 4 - 16) // 8 + 1
-    assert cache.layers[0].store.blocks.keys.codes.shape[:2] == (6, 5)  # batch x beams, blocks
+def test_padding_after_a_real_token_is_refused(tiny_model):
+    ids = torch.randint(1, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding
+    with pytest.raises(ValueError, match=r"rows \[1\] have padding after a real token"), \
+            torch.no_grad():
+        tiny_model(ids, attention_mask=mask, cache=kvmix.make_cache(tiny_model, "kivi2"),
+                   use_cache=True)
 
 
 def test_cache_refuses_a_model_that_does_not_commit(tiny_model):
@@ -106,15 +87,25 @@ def test_cache_refuses_a_model_that_does_not_commit(tiny_model):
         kvmix.make_cache(tiny_model, "full")  # restore kvmix attention for other tests
 
 
-def test_non_finite_keys_are_refused():
+def test_non_finite_keys_are_refused_naming_the_layer():
+    cache = kvmix.KVMixCache(f"kivi2:{SMALL}", tiny_llama().config)
+    keys = torch.randn(1, 2, 3, 32)
+    keys[0, 0, 1, 0] = float("nan")
+    with pytest.raises(ValueError, match="non-finite keys in layer 1"):
+        cache.update(keys, torch.randn(1, 2, 3, 32), 1)  # even the residual holds only finite
+
+
+def test_keys_beyond_the_float16_range_of_the_statistics_are_refused():
     cache = kvmix.KVMixCache(f"kivi2:{SMALL}", tiny_llama().config)
     keys = torch.randn(1, 2, 30, 32)
-    keys[0, 0, 10, 0] = float("nan")
+    keys[0, 1, 10, 5] = 1e6  # in the first block
     cache.update(keys, torch.randn(1, 2, 30, 32), 0)
-    from kvmix.runtime.layer import take_pending
-
-    with pytest.raises(ValueError, match="non-finite keys in layer 0"):
-        take_pending().commit(torch.randn(1, 4, 30, 32), None)
+    with pytest.raises(ValueError, match=r"keys in layer 0 reach 1e\+06, beyond the float16"):
+        attend(cache, torch.randn(1, 4, 30, 32))
+    exact = kvmix.KVMixCache(f"full:{SMALL}", tiny_llama().config)
+    exact.update(keys, torch.randn(1, 2, 30, 32), 0)
+    attend(exact, torch.randn(1, 4, 30, 32))  # full precision stores it as it is
+    assert exact.layers[0].rows[0].history(torch.float32)[0].abs().max() == 1e6
 
 
 def test_sliding_layers_keep_their_cache_with_one_warning():
@@ -144,7 +135,7 @@ def test_per_layer_bits_are_used_per_layer(tiny_model):
     cache = kvmix.make_cache(tiny_model, f"kxvy:key_bits=1/8,value_bits=2/4,{SMALL}")
     with torch.no_grad():
         tiny_model(torch.randint(1, 97, (1, 40)), cache=cache, use_cache=True)
-    first, second = (layer.store.blocks for layer in cache.layers)
+    first, second = (layer.rows[0].blocks for layer in cache.layers)
     assert (first.keys.bits, second.keys.bits) == (1, 8)
     assert (first.values.bits, second.values.bits) == (2, 4)
     assert second.keys.codes.numel() == 8 * first.keys.codes.numel()

@@ -16,8 +16,9 @@ from kvmix.models.loading import LoadedModel
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")
 COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
-           "nbytes": "cache bytes", "ratio_fp16": "/16-bit", "ppl": "ppl",
-           "delta_ppl": "Δppl", "token_kl": "token KL", "seconds": "time s"}
+           "nbytes": "cache bytes", "ratio_fp16": "/16-bit", "nbytes_16bit": "bytes@16",
+           "effective_bits": "eff. bits", "static": "static", "ppl": "ppl", "delta_ppl": "Δppl",
+           "token_kl": "token KL", "seconds": "time s"}
 
 
 @dataclass

@@ -28,7 +28,8 @@ def run_export(transforms: str, transform: str, model_out: str,
     drop_gguf_marker(folded)
     folded.save_pretrained(out / "model")
     loaded.tokenizer.save_pretrained(out / "model")
-    path = save_multipliers(out / "right_multipliers.safetensors", method.loaded, transform)
+    transforms = method.transform_set()
+    path = save_multipliers(out / "right_multipliers.safetensors", transforms, transform)
     console.print(f"wrote {out / 'model'} and {path}")
     return {"model": out / "model", "multipliers": path}
 

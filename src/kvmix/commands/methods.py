@@ -13,13 +13,15 @@ def add_parser(commands) -> None:
 
 def run_methods() -> list[dict]:
     rows = [{"method": name, "about": cls.summary, "bits": cls.describe(),
+             "fast_path": cls.fast_path,
              "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
             for name, cls in method_classes().items()]
     rows += [{"method": name, "about": f"preset of {cls.name}",
               "parameters": ", ".join(f"{k}={v}" for k, v in params.items())}
              for name, (cls, params) in presets().items()]
     print_table("kvmix methods", rows, {"method": "method", "about": "about",
-                                        "bits": "bits per element", "parameters": "parameters"})
+                                        "bits": "bits per element", "fast_path": "fast path",
+                                        "parameters": "parameters"})
     return rows
 
 

@@ -3,13 +3,12 @@
 Every tensor kvmix stores has the batch as dimension 0, so one function applied to all of them
 implements beam reordering, batch repetition and batch selection. A dataclass field may name its
 storage kind in ``metadata["kind"]`` (codes, scales, zeros, masks); bare tensors take the kind
-the caller gives.
+the caller gives (``kvmix.core.memory`` turns them into bytes of distinct storages).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -42,15 +41,15 @@ def combine(parts: list[Any], fn: Callable[[list[torch.Tensor]], torch.Tensor]) 
     return first
 
 
-def tensor_bytes(obj: Any, kind: str) -> Counter:
-    """Bytes of every tensor in ``obj``, keyed by storage kind (``kind`` for untagged tensors)."""
+def tagged_tensors(obj: Any, kind: str) -> list[tuple[str, torch.Tensor]]:
+    """(storage kind, tensor) for every tensor in ``obj`` (``kind`` for untagged tensors)."""
     if isinstance(obj, torch.Tensor):
-        return Counter({kind: obj.numel() * obj.element_size()})
-    total: Counter = Counter()
+        return [(kind, obj)]
+    found: list[tuple[str, torch.Tensor]] = []
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            total += tensor_bytes(getattr(obj, f.name), f.metadata.get("kind", kind))
+            found += tagged_tensors(getattr(obj, f.name), f.metadata.get("kind", kind))
     elif isinstance(obj, (list, tuple)):
         for x in obj:
-            total += tensor_bytes(x, kind)
-    return total
+            found += tagged_tensors(x, kind)
+    return found

@@ -59,11 +59,12 @@ def attention_kl(model, captured: Captured, method: str | Method) -> torch.Tenso
     cache = make_cache(prepare_model(model, method), method)
     rows = []
     for layer in sorted(captured.keys):
-        keys = captured.keys[layer]
+        keys, scale = captured.keys[layer], captured.scaling[layer]
         cache.update(keys, captured.values[layer], layer)
-        take_pending().commit(captured.queries[layer], None)
-        approx = cache.layers[layer].store.materialize()[0]  # [B, H, C, D]
-        query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]
+        prompt = cache.method.transform_queries(captured.queries[layer], layer)
+        take_pending().attend(prompt, None, scale)  # prefill: select, fill, flush
+        approx = cache.layers[layer].history()[0]  # [B, H, C, D]
+        query = captured.decode_queries[layer].float()
         exact = torch.log_softmax(_logits(query, keys.float(), scale), -1)  # [B, Hq, N, C]
         rotated = cache.method.transform_queries(query, layer)  # the cache's key space
         quant = torch.log_softmax(_logits(rotated, approx.float(), scale), -1)
@@ -97,8 +98,9 @@ def _logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tens
 def layer_errors(captured: Captured, method, outputs: list[torch.Tensor],
                  bits: int) -> dict[str, list[float]]:
     """Relative error per layer of scores (keys quantized) and of W_O outputs (values)."""
-    keys_t = method.loaded.keys[method.transform].float()  # [L, H, D, D]
-    values_t = method.loaded.values[method.transform].float()
+    transforms = method.transform_set()
+    keys_t = transforms.keys[method.transform].float()  # [L, H, D, D]
+    values_t = transforms.values[method.transform].float()
     result = {"keys": [], "values": []}
     for layer in sorted(captured.keys):
         query, scale = captured.decode_queries[layer].float(), captured.scaling[layer]

@@ -31,6 +31,7 @@ class Scored:
     nbytes_breakdown: dict[str, int] = field(default_factory=dict)
     theoretical_nbytes: float = 0.0
     nbytes_fp16: int = 0
+    nbytes_16bit: int = 0  # as held, with sink and residual priced at 16 bits
     bits: tuple[float, float] = (0.0, 0.0)  # key, value bits per stored element
     plan: dict | None = None  # per-layer widths a budget-mode method chose
 
@@ -78,7 +79,7 @@ def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
             seconds: float) -> Scored:
     return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.nbytes(),
                   cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes(),
-                  cache.bits(), getattr(cache.method, "plan", None))
+                  cache.nbytes_16bit(), cache.bits(), getattr(cache.method, "plan", None))
 
 
 def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
@@ -87,8 +88,17 @@ def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:
 
 
 def summary(scored: Scored, full: Scored) -> dict:
-    """The figures every report gives for one method, measured against the ``full`` cache."""
+    """The figures every report gives for one method, measured against the ``full`` cache.
+
+    ``nbytes`` is what the cache holds; ``static`` the per-model part of it (transforms);
+    ``nbytes_16bit`` the same cache with sink and residual at 16 bits (a 16-bit model);
+    ``effective_bits`` bits per cached element of that, sink, residual and masks included,
+    static excluded."""
+    static = scored.nbytes_breakdown.get("static", 0)
     return {"key_bits": scored.bits[0], "value_bits": scored.bits[1], "nbytes": scored.nbytes,
-            "nbytes_fp16": scored.nbytes_fp16, "ratio_fp16": scored.nbytes / scored.nbytes_fp16,
+            "static": static, "nbytes_fp16": scored.nbytes_fp16,
+            "ratio_fp16": scored.nbytes / scored.nbytes_fp16,
+            "nbytes_16bit": scored.nbytes_16bit,
+            "effective_bits": 16 * (scored.nbytes_16bit - static) / scored.nbytes_fp16,
             "ppl": scored.ppl, "delta_ppl": scored.ppl - full.ppl,
             "token_kl": token_kl(full.logprobs, scored.logprobs), "seconds": scored.seconds}

@@ -9,7 +9,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from kvmix.methods.base import Blocks, Method, ModelSpec
+from kvmix.methods.base import (
+    Blocks,
+    ChannelKeys,
+    KernelView,
+    Method,
+    ModelSpec,
+    Plane,
+    TokenGroups,
+)
 
 _METHODS: dict[str, type[Method]] = {}
 _PRESETS: dict[str, tuple[type[Method], dict[str, Any]]] = {}
@@ -99,8 +107,12 @@ from kvmix.methods import chanmix, full, kitty, kivi, kxvy, pnmix, polar, wush  
 
 __all__ = [
     "Blocks",
+    "ChannelKeys",
+    "KernelView",
     "Method",
     "ModelSpec",
+    "Plane",
+    "TokenGroups",
     "method_classes",
     "method_names",
     "parameters",

@@ -13,8 +13,7 @@ What each library can express: quanto has 2- and 4-bit integer types only (``qin
 word with rows padded to a multiple of ten, which wastes bits the bit formula does not have, so
 kvmix refuses 3 bits with HQQ (use ``backend=native`` for 3 bits). HQQ optimises its zero point
 and scale (its default proximal solver), so its error is not bounded by half a min-max step;
-quanto uses min-max (``MaxOptimizer``). Padding is kept out of the statistics by replacing padded
-tokens with the group's first real token.
+quanto uses min-max (``MaxOptimizer``).
 """
 
 from __future__ import annotations
@@ -49,12 +48,8 @@ def check_backend(backend: str, bits: tuple[int, ...], names: str) -> None:
         _library(backend)  # a clear ImportError now rather than at the first flush
 
 
-def key_rows(keys: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+def key_rows(keys: torch.Tensor) -> torch.Tensor:
     """keys [B, H, G, D] -> rows [B, H·D, G]: each row is one channel's group of tokens."""
-    if valid is not None:  # padded tokens copy the first real token: no effect on min/max
-        first = valid.float().argmax(-1)  # [B]
-        real = keys[torch.arange(keys.shape[0]), :, first][:, :, None]  # [B, H, 1, D]
-        keys = torch.where(valid[:, None, :, None], keys, real)
     return keys.transpose(-1, -2).flatten(1, 2)
 
 

@@ -8,6 +8,7 @@ at prefill (``select``). It never sees the cache, the model or transformers.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -31,6 +32,55 @@ class ModelSpec:
     kv_norms: torch.Tensor | None = None  # [L, 2] ‖W_K‖²_F, ‖W_V‖²_F per layer
     name: str = ""  # the model's name or path, to refuse artifacts of another model
     folded: str | None = None  # checksum of value transforms folded into W_V/W_O, if any
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.pairs, self.kv_norms) if t is not None]
+
+    def static_nbytes(self) -> int:
+        """Pairs as int64 [D/2, 2], norms as float64 [L, 2], when present."""
+        pairs = 8 * self.head_dim if self.pairs is not None else 0
+        return pairs + (16 * self.n_layers if self.kv_norms is not None else 0)
+
+
+@dataclass
+class Plane:
+    """Codes of some channels at one width, for every token of every block (fast paths)."""
+
+    codes: torch.Tensor  # [n, bytes]: per block, codes [H, G, C] packed at ``bits``
+    bits: int
+    index: torch.Tensor  # [H, C] int64: the channel of each code column
+    mult: torch.Tensor  # [H, C] float32: the weight of a code (2^shift for a top-bits plane)
+
+
+@dataclass
+class ChannelKeys:
+    """Per-channel key groups read by a fast path: x̂ = min + scale·(Σ_planes mult·code + offset)."""
+
+    planes: list[Plane]
+    scale: torch.Tensor  # [n, H, D] float16
+    minimum: torch.Tensor  # [n, H, D] float16
+    offset: torch.Tensor  # [H, D] float32: 0.5 where codes are bin centres, else 0
+
+
+@dataclass
+class TokenGroups:
+    """Per-token groups of ``group`` channels read by a fast path: x̂ = min + scale·code, or
+    symmetric levels (code − 2^(b−1) + ½)·scale when ``minimum`` is None."""
+
+    codes: torch.Tensor  # [n, bytes]: per block, codes [H, G, D] packed at ``bits``
+    bits: int
+    group: int
+    scale: torch.Tensor  # [n, H, G, D/group] float16
+    minimum: torch.Tensor | None
+
+
+@dataclass
+class KernelView:
+    """A method's stored blocks as the fused decode ops read them, without copying codes:
+    keys and values as packed groups, or float blocks [n, H, G, D] (the ``full`` method)."""
+
+    keys: ChannelKeys | TokenGroups | torch.Tensor
+    values: TokenGroups | torch.Tensor
 
 
 @dataclass
@@ -73,6 +123,8 @@ class Method:
     summary: ClassVar[str] = ""
     presets: ClassVar[dict[str, dict[str, Any]]] = {}
     quantizes: ClassVar[bool] = True
+    # What the fused decode ops cover, for ``kvmix methods`` (``kernel_view`` says per instance).
+    fast_path: ClassVar[str] = "reference only"
 
     sink: int = 32
     residual: int = 128
@@ -90,8 +142,7 @@ class Method:
     def bind(self, spec: ModelSpec) -> None:
         """Check the parameters against a model; raise ValueError naming the parameter."""
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None,
-               layer: int) -> Any:
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int) -> Any:
         """Prefill-time channel selection; queries: [B, Hq, T, D], keys: [B, Hkv, T, D]."""
         return None
 
@@ -109,13 +160,14 @@ class Method:
         return None
 
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
-                valid: torch.Tensor | None, layer: int) -> Any:
+                layer: int) -> Any:
         """After each later attention call: the new tokens' queries and keys ([B, H, q, D])."""
         return selection
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[Any, Any]:
-        """keys, values: [B, Hkv, group, D]; valid: [B, group] bool or None -> stored state."""
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[Any, Any]:
+        """keys, values: [B, Hkv, group, D] -> stored state (real tokens only: the cache keeps
+        padding out of every method)."""
         raise NotImplementedError
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
@@ -127,8 +179,22 @@ class Method:
         """Theoretical stored bits per key element and per value element of a block."""
         raise NotImplementedError
 
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
+        """One sequence's blocks (tensors [1, n, ...]) as the fused decode ops read them, or
+        None where this configuration has no fast path (the reference path serves it)."""
+        return None
+
     def selection_bits(self, spec: ModelSpec) -> int:
         """Bits per batch element and layer that ``select`` keeps for the whole generation."""
+        return 0
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Per-model tensors the method keeps once for every layer and sequence (rotations,
+        transforms); a cache counts them under ``static``."""
+        return []
+
+    def static_nbytes(self, spec: ModelSpec) -> int:
+        """What ``static_tensors`` should take, from their shapes."""
         return 0
 
     @classmethod
@@ -163,5 +229,33 @@ class PerTokenValues(Method):
     def decode_values(self, blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
 
+    def values_view(self, blocks: Blocks) -> TokenGroups:
+        return token_groups(blocks.values, self.value_group)
+
     def value_bits_per_element(self) -> float:
         return self.value_bits + STAT_BITS / self.value_group
+
+
+def token_groups(stored: QuantizedTensor, group: int, symmetric: bool = False) -> TokenGroups:
+    """One sequence's per-token groups (QuantizedTensor or QuEST's SymmetricTensor, rows
+    [1, n]) as a fast path reads them: views, no copies."""
+    scale = stored.step if symmetric else stored.scale  # [1, n, H, G, D/group, 1]
+    minimum = None if symmetric else stored.minimum[0].squeeze(-1)
+    return TokenGroups(stored.codes[0], stored.bits, group, scale[0].squeeze(-1), minimum)
+
+
+def channel_keys(stored: QuantizedTensor) -> ChannelKeys:
+    """One sequence's per-channel keys of one width (rows [1, n]) as a fast path reads them."""
+    scale = stored.scale[0].squeeze(-2)  # [n, H, D]
+    heads, dim = scale.shape[1:]
+    index, ones, zeros = every_channel(heads, dim, scale.device)
+    plane = Plane(stored.codes[0], stored.bits, index, ones)
+    return ChannelKeys([plane], scale, stored.minimum[0].squeeze(-2), zeros)
+
+
+@functools.cache
+def every_channel(heads: int, dim: int, device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Shared constants: channel indices [H, D] int64, ones and zeros [H, D] float32."""
+    index = torch.arange(dim, device=device).expand(heads, dim).contiguous()
+    return index, torch.ones(heads, dim, device=device), torch.zeros(heads, dim, device=device)

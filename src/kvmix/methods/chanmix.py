@@ -27,11 +27,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.importance import group_mean, masked_mean, scores, top_mask
+from kvmix.core.importance import group_mean, scores, top_mask
 from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
-from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues
+from kvmix.methods.base import (
+    STAT_BITS,
+    Blocks,
+    ChannelKeys,
+    KernelView,
+    ModelSpec,
+    PerTokenValues,
+    Plane,
+)
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
 CLASS_NAMES = ("retrieval", "outlier", "normal", "subnormal")
@@ -60,6 +68,7 @@ class ChanMix(PerTokenValues):
 
     name: ClassVar[str] = "chanmix"
     summary: ClassVar[str] = "ChanMix: channel classes at 4/3/2/1 bits, 2 bits on average"
+    fast_path: ClassVar[str] = "cpu op (one plane per class)"
 
     retrieval: float = 1 / 16
     outlier: float = 1 / 8
@@ -97,20 +106,16 @@ class ChanMix(PerTokenValues):
                 "+ 2 class bits per channel, head and layer; "
                 "value bits = value_bits + 32/value_group")
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None,
-               layer: int) -> ChannelClasses:
-        classes = self.classify(queries, keys, valid)  # [B, H, D]
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int) -> ChannelClasses:
+        classes = self.classify(queries, keys)  # [B, H, D]
         return ChannelClasses(pack(classes, 2))
 
-    def classify(self, queries: torch.Tensor, keys: torch.Tensor,
-                 valid: torch.Tensor | None) -> torch.Tensor:
+    def classify(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """[B, H, D] class ids (0 retrieval, 1 outlier, 2 normal, 3 subnormal)."""
-        q_valid = None if valid is None else valid[:, -queries.shape[-2]:]
-        k_valid = None if valid is None else valid[:, -keys.shape[-2]:]
-        contribution = group_mean(masked_mean(queries.float().abs(), q_valid), keys.shape[1])
-        contribution = contribution * masked_mean(keys.float().abs(), k_valid)
-        spread = scores("key_range", queries, keys, valid, None)
-        smallness = -scores("key_magnitude", queries, keys, valid, None)
+        contribution = group_mean(queries.float().abs().mean(-2), keys.shape[1])
+        contribution = contribution * keys.float().abs().mean(-2)
+        spread = scores("key_range", queries, keys, None, None)
+        smallness = -scores("key_magnitude", queries, keys, None, None)
         classes = torch.full(keys.shape[:2] + keys.shape[-1:], 2, dtype=torch.uint8,
                              device=keys.device)
         retrieval, outlier, _, subnormal = self.counts(keys.shape[-1])
@@ -128,22 +133,31 @@ class ChanMix(PerTokenValues):
         return [(classes == c).nonzero()[:, -1].view(batch, heads, n)
                 for c, n in enumerate(self.counts(dim))]
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[ClassKeys, Any]:
-        # keys, values: [B, H, G, D]; valid: [B, G]
-        key_valid = None if valid is None else valid[:, None, :, None]
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[ClassKeys, Any]:
+        # keys, values: [B, H, G, D]
         scale = torch.zeros_like(keys[..., :1, :], dtype=torch.float16)  # [B, H, 1, D]
         minimum = torch.zeros_like(scale)
         codes = []
         for index, bits in zip(self.class_index(selection, keys.shape[0]), CLASS_BITS,
                                strict=True):
             part = keys.gather(-1, _expand(index, keys.shape[-2]))  # [B, H, G, n]
-            c, s, m = quantize_codes(part, bits, -2, key_valid)
+            c, s, m = quantize_codes(part, bits, -2)
             codes.append(pack(c, bits))
             scale.scatter_(-1, index.unsqueeze(-2), s)
             minimum.scatter_(-1, index.unsqueeze(-2), m)
         stored = ClassKeys(tuple(codes), scale, minimum)
         return stored, self.encode_values(values)
+
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView:
+        stored = blocks.keys
+        scale = stored.scale[0].squeeze(-2)  # [n, H, D]
+        planes = [Plane(codes[0], bits, index[0], torch.ones_like(index[0], dtype=torch.float32))
+                  for codes, index, bits in zip(stored.codes, self.class_index(selection, 1),
+                                                CLASS_BITS, strict=True)]
+        keys = ChannelKeys(planes, scale, stored.minimum[0].squeeze(-2),
+                           torch.zeros(scale.shape[1:], device=scale.device))
+        return KernelView(keys, self.values_view(blocks))
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method
+from kvmix.methods.base import Blocks, KernelView, Method
 
 
 @register
@@ -22,16 +22,20 @@ class Full(Method):
     name: ClassVar[str] = "full"
     summary: ClassVar[str] = "reference: keys and values at the model's own precision"
     quantizes: ClassVar[bool] = False
+    fast_path: ClassVar[str] = "cpu op (float blocks)"
 
     sink: int = 0
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[torch.Tensor, torch.Tensor]:
         return keys, values
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return blocks.keys.to(dtype), blocks.values.to(dtype)
+
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView:
+        return KernelView(blocks.keys[0], blocks.values[0])  # [n, H, G, D]
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         width = torch.finfo(dtype).bits

@@ -41,7 +41,17 @@ from kvmix.methods.backends import (
     quantize_rows,
     value_rows,
 )
-from kvmix.methods.base import STAT_BITS, Blocks, Method, ModelSpec, choice, positive
+from kvmix.methods.base import (
+    STAT_BITS,
+    Blocks,
+    KernelView,
+    Method,
+    ModelSpec,
+    channel_keys,
+    choice,
+    positive,
+    token_groups,
+)
 
 Bits = int | tuple[int, ...]
 ROTATIONS = ("none", "keys", "values", "both")
@@ -67,6 +77,7 @@ class KxVy(Method):
 
     name: ClassVar[str] = "kxvy"
     summary: ClassVar[str] = "key-priority: any key/value bits, per-layer lists, separate groups"
+    fast_path: ClassVar[str] = "cpu op (backend=native; quanto/hqq: reference)"
     allowed_bits: ClassVar[tuple[int, ...]] = WIDTHS
 
     key_bits: Bits = 4
@@ -101,7 +112,7 @@ class KxVy(Method):
         self.spec = spec
         if self.budget is not None:
             self._allocate(spec)
-        self.rotation = hadamard(spec.head_dim) if self.rotate != "none" else None
+        self.rotation = hadamard(spec.head_dim) if self.rotate in ("keys", "both") else None
         if self.rotate in ("values", "both") and spec.folded != VALUE_ROTATION:
             raise ValueError(f"rotate={self.rotate!r} needs the model with the value rotation "
                              "folded into W_V/W_O: use kvmix.prepare_model(model, method) "
@@ -134,20 +145,19 @@ class KxVy(Method):
         return rotation.expand(spec.n_layers, spec.n_kv_heads, -1, -1), VALUE_ROTATION
 
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
-        return keys @ self.rotation.to(keys) if self.rotate in ("keys", "both") else keys
+        return keys if self.rotation is None else keys @ self.rotation.to(keys)
 
     def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
         return self.transform_keys(queries, layer)
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[Any, Any]:
-        # keys, values: [B, H, G, D]; valid: [B, G] -> per-channel keys, per-token values
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[Any, Any]:
+        # keys, values: [B, H, G, D] -> per-channel keys, per-token values
         key_bits, value_bits = per_layer(self.key_bits, layer), per_layer(self.value_bits, layer)
         if self.backend != "native":
-            return (quantize_rows(key_rows(keys, valid), key_bits, self.backend),
+            return (quantize_rows(key_rows(keys), key_bits, self.backend),
                     quantize_rows(value_rows(values, self.value_group), value_bits, self.backend))
-        key_valid = None if valid is None else valid[:, None, :, None]
-        k = quantize(keys, key_bits, dim=-2, valid=key_valid)
+        k = quantize(keys, key_bits, dim=-2)
         return k, quantize_per_token(values, value_bits, self.value_group)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
@@ -158,6 +168,17 @@ class KxVy(Method):
             keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
             values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         return keys, values
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [] if self.rotation is None else [self.rotation]
+
+    def static_nbytes(self, spec: ModelSpec) -> int:
+        return 4 * spec.head_dim**2 if self.rotate in ("keys", "both") else 0  # float32 H
+
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
+        if self.backend != "native":
+            return None
+        return KernelView(channel_keys(blocks.keys), token_groups(blocks.values, self.value_group))
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return (per_layer(self.key_bits, layer) + STAT_BITS / self.group,

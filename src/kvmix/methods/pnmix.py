@@ -33,7 +33,6 @@ from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
     group_mean,
-    masked_mean,
     pair_norms,
     pair_to_channels,
     scores,
@@ -45,9 +44,13 @@ from kvmix.methods import register
 from kvmix.methods.base import (
     STAT_BITS,
     Blocks,
+    ChannelKeys,
+    KernelView,
     ModelSpec,
     PerTokenValues,
+    Plane,
     choice,
+    every_channel,
     require_pairs,
 )
 
@@ -92,6 +95,7 @@ class PNMix(PerTokenValues):
 
     name: ClassVar[str] = "pnmix"
     summary: ClassVar[str] = "PN-Mix: 3/1-bit keys per RoPE pair by q·k pair-norm importance"
+    fast_path: ClassVar[str] = "cpu op (two planes; selection=online: reference)"
     presets: ClassVar[dict] = {"pnmix1": {"ratio": 0.5, "group": 128},
                                "pnmix2": {"ratio": 0.4, "group": 64}}
 
@@ -158,26 +162,24 @@ class PNMix(PerTokenValues):
 
     # -- selection ---------------------------------------------------------------------------
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor | None,
+    def select(self, queries: torch.Tensor, keys: torch.Tensor,
                layer: int) -> PairMask | RunningNorms:
         if self.selection == "online":
-            return self.observe(None, queries, keys, valid, layer)
-        score = scores(self.criterion, queries, keys, valid, self.spec.pairs)  # [B, H, units]
+            return self.observe(None, queries, keys, layer)
+        score = scores(self.criterion, queries, keys, None, self.spec.pairs)  # [B, H, units]
         units = score.shape[-1]
         count = self.high_channels(self.spec.head_dim)
         chosen = top_mask(score, count // 2 if units < self.spec.head_dim else count)
         return PairMask(pack(chosen, 1), units)
 
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
-                valid: torch.Tensor | None, layer: int) -> Any:
+                layer: int) -> Any:
         if self.selection != "online":
             return selection
         pairs, heads = self.spec.pairs, keys.shape[1]
-        q_valid = None if valid is None else valid[:, -queries.shape[-2]:]
-        k_valid = None if valid is None else valid[:, -keys.shape[-2]:]
-        q_count, k_count = _count(q_valid, queries), _count(k_valid, keys)
-        q = group_mean(masked_mean(pair_norms(queries.float(), pairs), q_valid), heads)
-        k = masked_mean(pair_norms(keys.float(), pairs), k_valid)
+        q_count, k_count = _count(queries), _count(keys)
+        q = group_mean(pair_norms(queries.float(), pairs).mean(-2), heads)
+        k = pair_norms(keys.float(), pairs).mean(-2)
         update = RunningNorms(q * q_count[:, None, None], k * k_count[:, None, None],
                               q_count, k_count)
         if selection is None:
@@ -203,13 +205,12 @@ class PNMix(PerTokenValues):
 
     # -- storage -----------------------------------------------------------------------------
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[MixedKeys, Any]:
-        # keys, values: [B, H, G, D]; valid: [B, G]
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[MixedKeys, Any]:
+        # keys, values: [B, H, G, D]
         index = self.high_index(selection, keys.shape[0])  # [B, H, k]
-        key_valid = None if valid is None else valid[:, None, :, None]
-        high_codes, high_scale, minimum = quantize_codes(keys, self.high_bits, -2, key_valid)
-        low_codes, low_scale, _ = quantize_codes(keys, self.low_bits, -2, key_valid, self.center)
+        high_codes, high_scale, minimum = quantize_codes(keys, self.high_bits, -2)
+        low_codes, low_scale, _ = quantize_codes(keys, self.low_bits, -2, center=self.center)
         high = _channel_mask(index, keys.shape[-1])  # [B, H, 1, D]
         shift = self.high_bits - self.low_bits
         low_plane = torch.where(high, high_codes >> shift, low_codes)
@@ -218,6 +219,22 @@ class PNMix(PerTokenValues):
                            torch.where(high, high_scale, low_scale), minimum,
                            index.to(torch.uint8) if self.selection == "online" else None)
         return stored, self.encode_values(values)
+
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
+        """Two planes: the low plane of every channel (for a high channel, its top bits, worth
+        2^shift) and the refinement plane of the high channels."""
+        if self.selection == "online":  # per-block channel indices: the reference path
+            return None
+        k, dim = blocks.keys, self.spec.head_dim
+        index = self.high_index(selection, 1)[0]  # [H, k]
+        high = _channel_mask(index, dim)[:, 0]  # [H, D]
+        every, _, _ = every_channel(*high.shape, high.device)
+        shift = self.high_bits - self.low_bits
+        planes = [Plane(k.low[0], self.low_bits, every, torch.where(high, 2.0**shift, 1.0)),
+                  Plane(k.high[0], shift, index, torch.ones_like(index, dtype=torch.float32))]
+        offset = (~high).float() * 0.5 if self.center else torch.zeros(high.shape)
+        keys = ChannelKeys(planes, k.scale[0].squeeze(-2), k.minimum[0].squeeze(-2), offset)
+        return KernelView(keys, self.values_view(blocks))
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,10 +257,9 @@ class PNMix(PerTokenValues):
         return keys, self.decode_values(blocks, dtype)
 
 
-def _count(valid: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-    if valid is None:
-        return torch.full((x.shape[0],), float(x.shape[-2]), device=x.device)
-    return valid.sum(-1).float()
+def _count(x: torch.Tensor) -> torch.Tensor:
+    """Tokens per sequence of x [B, H, T, D]: [B] float32."""
+    return torch.full((x.shape[0],), float(x.shape[-2]), device=x.device)
 
 
 def _channel_mask(index: torch.Tensor, dim: int) -> torch.Tensor:

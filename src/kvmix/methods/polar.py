@@ -36,6 +36,7 @@ class PolarQuant(PerTokenValues):
 
     name: ClassVar[str] = "polar"
     summary: ClassVar[str] = "PolarQuant: key RoPE pairs as quantized radius and angle"
+    fast_path: ClassVar[str] = "reference only (keys are rebuilt through cos and sin)"
 
     radius_bits: int = 4
     angle_bits: int = 4
@@ -61,14 +62,13 @@ class PolarQuant(PerTokenValues):
         return ("key bits = (radius_bits + angle_bits)/2 + 32/group; "
                 "value bits = value_bits + 32/value_group")
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[PolarKeys, Any]:
-        # keys, values: [B, H, G, D]; valid: [B, G]
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[PolarKeys, Any]:
+        # keys, values: [B, H, G, D]
         pairs = self.spec.pairs
         a, b = keys[..., pairs[:, 0]].float(), keys[..., pairs[:, 1]].float()  # [B, H, G, P]
-        token_valid = None if valid is None else valid[:, None, :, None]
-        radius = quantize(torch.hypot(a, b), self.radius_bits, -2, token_valid)
-        angle = quantize(torch.atan2(b, a), self.angle_bits, -2, token_valid)
+        radius = quantize(torch.hypot(a, b), self.radius_bits, -2)
+        angle = quantize(torch.atan2(b, a), self.angle_bits, -2)
         return PolarKeys(radius, angle), self.encode_values(values)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,

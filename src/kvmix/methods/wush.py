@@ -30,7 +30,7 @@ from kvmix.core.quantizers import (
 )
 from kvmix.core.transforms import KINDS, TransformSet, load_transforms
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, Method, ModelSpec, choice
+from kvmix.methods.base import Blocks, KernelView, Method, ModelSpec, choice, token_groups
 
 QUANTIZERS = ("quest", "percentile")
 
@@ -42,6 +42,7 @@ class Wush(Method):
 
     name: ClassVar[str] = "wush"
     summary: ClassVar[str] = "WUSH-KV: calibrated transforms + clipped per-token quantizers"
+    fast_path: ClassVar[str] = "cpu op (queries transformed in the hook)"
 
     transforms: str = ""
     transform: str = "wush"
@@ -63,11 +64,20 @@ class Wush(Method):
             raise ValueError(f"percentile={self.percentile!r} is invalid; expected [0, 50)")
         if not self.transforms:
             raise ValueError("wush needs transforms=PATH, a file made by kvmix calibrate")
-        self.loaded: TransformSet = load_transforms(self.transforms)
-        self.block = int(self.loaded.meta["block"])
+        self.meta = load_transforms(self.transforms).meta  # the matrices are read when needed
+        self.block = int(self.meta["block"])
+
+    def transform_set(self) -> TransformSet:
+        """The calibrated transforms, read again from the file (the method keeps only what the
+        cache needs); an error if the file changed since the method was made."""
+        loaded = load_transforms(self.transforms)
+        if loaded.checksum != self.meta["checksum"]:
+            raise ValueError(f"transforms={self.transforms!r} changed on disk since the method "
+                             "was made; make the method again")
+        return loaded
 
     def bind(self, spec: ModelSpec) -> None:
-        meta = self.loaded.meta
+        meta = self.meta
         shape = (str(spec.n_layers), str(spec.n_kv_heads), str(spec.head_dim))
         if meta.get("model") != spec.name or (meta["layers"], meta["kv_heads"],
                                               meta["head_dim"]) != shape:
@@ -80,17 +90,23 @@ class Wush(Method):
                              "kvmix.prepare_model(model, method) and make the cache for "
                              "the model it returns")
         self.spec = spec
-        keys = self.loaded.keys[self.transform]  # [L, H, D, D] float64
+        keys = self.transform_set().keys[self.transform]  # [L, H, D, D] float64
         self.key_right = keys.transpose(-1, -2).float()  # k' = k @ T_kᵀ
         self.query_right = torch.linalg.inv(keys).float()  # q' = q @ T_k^{-1}
 
     @property
     def fold_id(self) -> str:
-        return f"{self.loaded.checksum}:{self.transform}"
+        return f"{self.meta['checksum']}:{self.transform}"
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:
         """What the runtime folds into W_V/W_O for this method: (T_v [L, H, D, D], an id)."""
-        return self.loaded.values[self.transform], self.fold_id
+        return self.transform_set().values[self.transform], self.fold_id
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [self.key_right, self.query_right]
+
+    def static_nbytes(self, spec: ModelSpec) -> int:
+        return 2 * 4 * spec.n_layers * spec.n_kv_heads * spec.head_dim**2  # two float32 [L,H,D,D]
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         stats = 16 if self.quantizer == "quest" else 32
@@ -108,8 +124,8 @@ class Wush(Method):
         right = right.repeat_interleave(queries.shape[1] // right.shape[0], 0)
         return torch.einsum("bhtd,hde->bhte", queries, right)
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
-               layer: int, selection: Any) -> tuple[Any, Any]:
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D], already transformed -> per token, per block of channels
         return (self.quantize_tokens(keys, self.key_bits),
                 self.quantize_tokens(values, self.value_bits))
@@ -118,6 +134,11 @@ class Wush(Method):
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.dequantize_tokens(blocks.keys, dtype),
                 self.dequantize_tokens(blocks.values, dtype))
+
+    def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView:
+        symmetric = self.quantizer == "quest"
+        return KernelView(token_groups(blocks.keys, self.block, symmetric),
+                          token_groups(blocks.values, self.block, symmetric))
 
     def quantize_tokens(self, x: torch.Tensor, bits: int):
         """x: [B, H, T, D] transformed -> per token, per block of channels."""

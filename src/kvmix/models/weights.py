@@ -87,9 +87,10 @@ def _bias(bias: torch.Tensor | None, kv_heads: int) -> torch.Tensor | None:
 
 
 def squared_frobenius(weights: list[KVWeights]) -> torch.Tensor:
-    """[L, 2]: ‖W_K,l‖²_F and ‖W_V,l‖²_F, the weights of the bit-allocation proxy."""
+    """[L, 2] float64: ‖W_K,l‖²_F and ‖W_V,l‖²_F, the weights of the bit-allocation proxy."""
     return torch.tensor([[w.keys.double().pow(2).sum().item(),
-                          w.values.double().pow(2).sum().item()] for w in weights])
+                          w.values.double().pow(2).sum().item()] for w in weights],
+                        dtype=torch.float64)
 
 
 def output_weights(model: Any) -> list[torch.Tensor]:

@@ -1,33 +1,20 @@
-"""Byte accounting of one layer's store: what it holds, by kind, and what the bit formula says."""
+"""What the bit formula says one sequence's store should hold, to set beside what it holds."""
 
 from __future__ import annotations
 
-from collections import Counter
+import torch
 
-from kvmix.core.tree import tensor_bytes
 from kvmix.methods import ModelSpec
-from kvmix.runtime.store import SegmentStore
+from kvmix.runtime.store import RowStore
 
 
-def held_bytes(store: SegmentStore) -> Counter:
-    """Bytes actually held, by kind: codes, scales, zeros, masks, sink, residual, full."""
-    if not store.started:
-        return Counter()
-    held = tensor_bytes([store.sink_keys, store.sink_values], "sink")
-    held += tensor_bytes([store.res_keys, store.res_values], "residual")
-    held += tensor_bytes(store.blocks, "full")
-    return held + tensor_bytes(store.selection, "masks")
-
-
-def formula_bytes(store: SegmentStore, spec: ModelSpec) -> float:
-    """Bytes from the method's bit formula for the tokens the store holds."""
-    if not store.started:
+def formula_bytes(row: RowStore, spec: ModelSpec, dtype: torch.dtype) -> float:
+    """Sink and residual at ``dtype``, blocks at the method's bits, the prefill selection."""
+    if row.res_keys is None:  # never written
         return 0.0
-    method = store.method
-    batch, heads, _, dim = store.res_keys.shape
-    exact = store.sink_keys.shape[-2] + store.res_keys.shape[-2]
-    elements = batch * heads * dim
-    key_bits, value_bits = method.bits(store.layer, store.dtype)
-    quantized = len(store.lengths) * method.group * (key_bits + value_bits) / 8
-    selected = batch * method.selection_bits(spec) / 8 if store.prefilled else 0
-    return elements * (exact * 2 * store.dtype.itemsize + quantized) + selected
+    method = row.method
+    exact = row.sink_keys.shape[-2] + row.res_keys.shape[-2]
+    key_bits, value_bits = method.bits(row.layer, dtype)
+    quantized = len(row.lengths) * method.group * (key_bits + value_bits) / 8
+    selected = method.selection_bits(spec) / 8 if row.prefilled else 0
+    return spec.n_kv_heads * spec.head_dim * (exact * 2 * dtype.itemsize + quantized) + selected

@@ -1,9 +1,8 @@
 """The ``kvmix`` attention function, registered in transformers' attention registry.
 
-It attends exactly like SDPA over the keys and values the cache layer returned (the torch
-reference path: the sink, decoded blocks and residual) and then commits the layer, handing it the
-post-RoPE queries and the mask so it can select channels at prefill and flush without padding.
-For layers kvmix does not manage, it is plain SDPA.
+For a kvmix cache layer it transforms the queries into the cache's key space and lets the layer
+attend each sequence over its own history (the torch reference path: sink, decoded blocks and
+residual) and commit the new tokens. For any other layer or cache it is plain SDPA.
 """
 
 from __future__ import annotations
@@ -17,15 +16,17 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvmix.methods import Method
+from kvmix.methods import Method, parse_method
 from kvmix.models.rope import rope_pairs
 from kvmix.models.weights import kv_weights, squared_frobenius
 from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.kernels import resolve
 from kvmix.runtime.layer import take_pending
 
 NAME = "kvmix"
 FOLDED = "_kvmix_folded"  # set on the folded copies runtime.folding makes, never on yours
-# Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call; for analysis.
+# Called as fn(layer_idx, query, key, value, scaling) on every kvmix attention call (for analysis):
+# the post-RoPE queries and, for a kvmix layer, the new tokens' keys and values.
 Observer = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], None]
 _OBSERVERS: list[Observer] = []
 
@@ -33,16 +34,17 @@ _OBSERVERS: list[Observer] = []
 def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, attention_mask: torch.Tensor | None,
                     **kwargs) -> tuple[torch.Tensor, None]:
-    # query: [B, Hq, q, D]; key, value: [B, Hkv, T, D]; attention_mask: [B, 1, q, T] bool or None
+    # query: [B, Hq, q, D]; key, value: [B, Hkv, q or T, D]; attention_mask: [B, 1, q, T] or None
     layer = take_pending()
     if layer is not None:
         query = layer.method.transform_queries(query, layer.layer_idx)
+    scaling = kwargs.get("scaling") or module.scaling
     for observe in _OBSERVERS:
-        observe(module.layer_idx, query, key, value, kwargs.get("scaling") or module.scaling)
-    out = sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if layer is not None:
-        layer.commit(query, attention_mask)
-    return out
+        observe(module.layer_idx, query, key, value, scaling)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    out = layer.attend(query, attention_mask, scaling)  # [B, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
@@ -64,14 +66,16 @@ def use_kvmix_attention(model: Any) -> None:
     model.set_attn_implementation(NAME)
 
 
-def make_cache(model: Any, method: str | Method = "kivi2") -> KVMixCache:
+def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto") -> KVMixCache:
     """A packed cache for ``model``: ``model.generate(..., cache=make_cache(model, "kivi2"))``.
 
-    Sets the model's attention implementation to ``kvmix`` (SDPA plus the cache commit; for any
-    other cache it behaves exactly as SDPA).
+    Sets the model's attention implementation to ``kvmix`` (for any other cache it behaves
+    exactly as SDPA). backend: "auto" (the fused CPU op where it runs, else the reference),
+    "torch" (the reference path: decode blocks, then SDPA) or "cpu" (the fused op, or an error).
     """
+    method = parse_method(method)  # a bad method string fails before the op is built
     cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model),
-                       getattr(model, FOLDED, None))
+                       getattr(model, FOLDED, None), resolve(backend, model.device))
     use_kvmix_attention(model)
     return cache
 

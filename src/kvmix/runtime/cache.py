@@ -5,21 +5,22 @@ full-attention layer, transformers' own layers for the others, and the cache-wid
 from __future__ import annotations
 
 import warnings
-from collections import Counter
 from typing import Any
 
 import torch
 from transformers.cache_utils import (
     DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
+    CacheLayerMixin,
     get_layer_types_and_kwargs,
 )
 
-from kvmix.core.tree import tensor_bytes
+from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
+FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
 
 
 def model_spec(config: Any, pairs: torch.Tensor | None = None,
@@ -47,14 +48,21 @@ class KVMixCache(Cache):
     """A transformers Cache whose full-attention layers are packed by one kvmix method."""
 
     def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
-                 kv_norms: torch.Tensor | None = None, folded: str | None = None):
+                 kv_norms: torch.Tensor | None = None, folded: str | None = None,
+                 backend: str = "torch"):
+        """backend: "torch" (the reference path) or "cpu" (the fused op; kvmix.make_cache
+        resolves "auto")."""
+        if backend not in ("torch", "cpu"):
+            raise ValueError(f"backend={backend!r} is invalid here; valid: torch, cpu "
+                             "(kvmix.make_cache also takes auto)")
+        self.backend = backend
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
-            KVMixLayer(self.method, i) if kind in QUANTIZED_LAYER_TYPES
+            KVMixLayer(self.method, i, backend) if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
@@ -69,22 +77,34 @@ class KVMixCache(Cache):
     def packed_layers(self) -> list[KVMixLayer]:
         return [layer for layer in self.layers if isinstance(layer, KVMixLayer)]
 
+    @property
+    def other_layers(self) -> list[CacheLayerMixin]:
+        """Layers kvmix does not pack (sliding window, ...) that hold tokens."""
+        return [layer for layer in self.layers if not isinstance(layer, KVMixLayer)
+                and getattr(layer, "keys", None) is not None]
+
     def nbytes_breakdown(self) -> dict[str, int]:
-        total = Counter()
-        for layer in self.layers:
-            if isinstance(layer, KVMixLayer):
-                total += layer.nbytes_breakdown()
-            elif getattr(layer, "keys", None) is not None:
-                total += tensor_bytes([layer.keys, layer.values], "other_layers")
-        return dict(total)
+        """Bytes of the distinct storages the cache keeps alive, by kind: sink, residual, codes,
+        scales, zeros, masks, full (blocks of ``full``), static (per-model tensors of the method
+        and model spec), other_layers (layers kvmix does not pack)."""
+        tagged = [pair for layer in self.packed_layers for row in layer.rows
+                  for pair in row.tagged()]
+        tagged += [("static", t) for t in (*self.spec.tensors(), *self.method.static_tensors())]
+        tagged += [("other_layers", t) for layer in self.other_layers
+                   for t in vars(layer).values() if isinstance(t, torch.Tensor)]
+        return dict(kind_bytes(tagged))
 
     def nbytes(self) -> int:
-        """Bytes of every tensor the cache holds."""
+        """Bytes of every storage the cache keeps alive."""
         return sum(self.nbytes_breakdown().values())
 
     def theoretical_nbytes(self) -> float:
-        """Bytes the method's bit formula predicts for the tokens held (packed layers only)."""
-        return sum(layer.theoretical_nbytes(self.spec) for layer in self.packed_layers)
+        """Bytes the bit formulas predict: packed layers from the method's bits for the tokens
+        each sequence holds, static tensors from their shapes; plus what the layers kvmix does
+        not pack hold (transformers' own: not a kvmix formula)."""
+        packed = sum(layer.theoretical_nbytes(self.spec) for layer in self.packed_layers)
+        static = self.spec.static_nbytes() + self.method.static_nbytes(self.spec)
+        return packed + static + self.nbytes_breakdown().get("other_layers", 0)
 
     def bits(self) -> tuple[float, float]:
         """Key and value bits per element of a stored block, averaged over packed layers."""
@@ -94,10 +114,17 @@ class KVMixCache(Cache):
             return 0.0, 0.0
         return sum(k for k, _ in bits) / len(bits), sum(v for _, v in bits) / len(bits)
 
+    def nbytes_16bit(self) -> int:
+        """What the same cache holds in a 16-bit model: the full-precision kinds (sink,
+        residual, full blocks, unpacked layers) priced at 16 bits, everything else as held."""
+        layers = [layer for layer in self.packed_layers if layer.is_initialized]
+        scale = 2 / layers[0].dtype.itemsize if layers else 1.0
+        return round(sum(held * (scale if kind in FULL_PRECISION_KINDS else 1)
+                         for kind, held in self.nbytes_breakdown().items()))
+
     def fp16_nbytes(self) -> int:
-        """Bytes the same tokens would take as 16-bit keys and values (the papers' baseline)."""
-        return sum(
-            2 * 2 * layer.get_seq_length() * self.spec.n_kv_heads * self.spec.head_dim
-            * layer.store.res_keys.shape[0]
-            for layer in self.packed_layers if layer.is_initialized
-        )
+        """Bytes the same tokens of every layer would take as 16-bit keys and values."""
+        per_token = 2 * 2 * self.spec.n_kv_heads * self.spec.head_dim
+        packed = sum(layer.real_tokens() for layer in self.packed_layers)
+        other = sum(layer.keys.shape[0] * layer.keys.shape[-2] for layer in self.other_layers)
+        return per_token * (packed + other)

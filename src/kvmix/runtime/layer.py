@@ -1,10 +1,14 @@
 """A full-attention layer's packed cache under transformers' ``CacheLayerMixin`` contract.
 
-The layer adapts a ``SegmentStore`` to what transformers calls. It needs two things only the
-attention call knows: the post-RoPE queries (for methods that select channels at prefill) and
-the attention mask (padding never enters statistics). So ``update`` stages the new tokens and
-the attention function registered by ``kvmix.runtime.attention`` calls ``commit`` right after
-attending; the flush happens there.
+transformers sees one tensor of ``T`` positions per layer, left-padded across the batch; kvmix
+keeps one ``RowStore`` per sequence holding only its real tokens, so each sequence's sink, group
+boundaries and statistics are its own (SPEC §2: the same cache alone or in a padded batch), and
+padding costs no storage. ``pads[b]`` is how many leading positions of row ``b`` are padding.
+
+``update`` only stages the new tokens; the attention function registered by
+``kvmix.runtime.attention`` then calls ``attend``, which attends each sequence over its own
+history and commits the new tokens (the flush happens there, with the post-RoPE queries that
+prefill-time channel selection needs).
 """
 
 from __future__ import annotations
@@ -15,9 +19,11 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec
-from kvmix.runtime.accounting import formula_bytes, held_bytes
-from kvmix.runtime.store import SegmentStore
+from kvmix.runtime.accounting import formula_bytes
+from kvmix.runtime.kernels import cpu, reference
+from kvmix.runtime.store import RowStore, check_finite
 
 
 class _Handoff(threading.local):
@@ -39,29 +45,34 @@ def clear_pending() -> None:
 
 
 class KVMixLayer(CacheLayerMixin):
-    """One full-attention layer's packed cache: transformers' calls, delegated to its store."""
+    """One full-attention layer's packed cache: a store per sequence, behind transformers' calls."""
 
     is_sliding = False
     is_compileable = False
     # A crop that ends inside a block keeps that block's codes: not a trace-free rollback.
     is_croppable = False
 
-    def __init__(self, method: Method, layer_idx: int):
+    def __init__(self, method: Method, layer_idx: int, backend: str = "torch"):
         super().__init__()
+        self.method = method
         self.layer_idx = layer_idx
-        self.store = SegmentStore(method, layer_idx)
-
-    @property
-    def method(self) -> Method:
-        return self.store.method
+        self.backend = backend  # "torch" (the reference path) or "cpu" (the fused op)
+        self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if self.backend == "cpu" and key_states.device.type != "cpu":
+            raise ValueError(f"backend='cpu' runs on CPU tensors; layer {self.layer_idx}'s keys "
+                             f"are on {key_states.device} (use backend='torch' or 'auto')")
         self.dtype, self.device = key_states.dtype, key_states.device
+        self.rows = [RowStore(self.method, self.layer_idx) for _ in range(key_states.shape[0])]
+        self.pads = [0] * key_states.shape[0]
         self.is_initialized = True
+
+    # -- the forward pass ----------------------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """key_states, value_states: [B, H, q, D] -> all keys, values: [B, H, T, D]."""
+        """Stage the new tokens, [B, H, q, D], for ``attend``; returns them (key transformed)."""
         if _HANDOFF.layer is not None:
             _HANDOFF.layer = None
             raise RuntimeError(
@@ -70,16 +81,38 @@ class KVMixLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        self.store.stage(key_states, value_states)
+        check_finite(key_states, value_states, self.layer_idx)
+        keys = self.method.transform_keys(key_states, self.layer_idx)
+        self.staged = keys, value_states
+        self.length += key_states.shape[-2]
         _HANDOFF.layer = self
-        return self.store.materialize()
+        return self.staged
 
-    def commit(self, queries: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
-        """queries: [B, Hq, q, D] post-RoPE; attention_mask: [B, 1, q, T] or None (no padding)."""
-        self.store.commit(queries, _valid_positions(attention_mask, self.store.length))
+    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float) -> torch.Tensor:
+        """Each sequence's new queries over its own history and new tokens, then commit.
+
+        query: [B, Hq, q, D] (in the cache's key space); attention_mask: [B, 1, q, T] or None
+        -> [B, Hq, q, D], zero at padding queries.
+        """
+        keys, values = self.staged
+        self.staged = None
+        self._read_pads(attention_mask)
+        out = torch.zeros_like(query)
+        for b, row in enumerate(self.rows):
+            new = min(query.shape[-2], self.length - self.pads[b])  # this row's real new tokens
+            if new <= 0:
+                continue
+            rows = slice(b, b + 1)
+            k, v, q = keys[rows, :, -new:], values[rows, :, -new:], query[rows, :, -new:]
+            out[rows, :, -new:] = self._attend_row(row, q, k, v, scaling)
+            row.append(k, v, q)
+        return out
+
+    # -- the cache contract --------------------------------------------------------------------
 
     def get_seq_length(self) -> int:
-        return self.store.length
+        return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -88,45 +121,94 @@ class KVMixLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.store.clear()
+        self.rows: list[RowStore] = []
+        self.pads: list[int] = []
+        self.length = 0  # positions transformers sees, padding included
+        self.staged = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove the last ``-tokens_to_remove`` tokens (transformers' negative convention)."""
+        """Remove the last ``-tokens_to_remove`` positions (transformers' negative convention)."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative "
                              "number of tokens to remove")
-        if tokens_to_remove and self.store.started:
-            self.store.truncate(max(self.get_seq_length() + tokens_to_remove, 0))
+        self.length = max(self.length + tokens_to_remove, 0)
+        for row, pad in zip(self.rows, self.pads, strict=True):
+            row.truncate(max(self.length - pad, 0))
+        self.pads = [min(pad, self.length) for pad in self.pads]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.store.map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._pick(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.store.map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._pick([b for b in range(len(self.rows)) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.store.map_batch(lambda t: t[indices])
+        if self.is_initialized:
+            self._pick(torch.arange(len(self.rows))[indices.cpu()].tolist())
 
     def offload(self) -> None:
-        self.store.map_batch(lambda t: t.to("cpu", non_blocking=True))
+        self.rows = [row.copy(lambda t: t.to("cpu", non_blocking=True)) for row in self.rows]
 
     def prefetch(self) -> None:
-        self.store.map_batch(lambda t: t.to(self.device, non_blocking=True))
+        self.rows = [row.copy(lambda t: t.to(self.device, non_blocking=True)) for row in self.rows]
+
+    # -- bytes ---------------------------------------------------------------------------------
 
     def nbytes_breakdown(self) -> Counter:
-        return held_bytes(self.store)
+        """Bytes of distinct storages held, by kind (sink, residual, codes, scales, ...)."""
+        return kind_bytes([pair for row in self.rows for pair in row.tagged()])
 
     def theoretical_nbytes(self, spec: ModelSpec) -> float:
-        return formula_bytes(self.store, spec)
+        return sum(formula_bytes(row, spec, self.dtype) for row in self.rows)
 
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference path for every sequence: keys, values [B, H, L, D] (sequences of equal
+        length only: a padded batch has a history per row, ``rows[b].history``)."""
+        lengths = {len(row) for row in self.rows}
+        if len(lengths) > 1:
+            raise ValueError(f"sequences hold {sorted(lengths)} tokens: stack per row instead")
+        held = [row.history(self.dtype) for row in self.rows]
+        return torch.cat([k for k, _ in held]), torch.cat([v for _, v in held])
 
-def _valid_positions(mask: torch.Tensor | None, length: int) -> torch.Tensor | None:
-    """[B, 1, q, T] attention mask -> [B, T] bool, True where a token is not padding.
+    def real_tokens(self) -> int:
+        return sum(len(row) for row in self.rows)
 
-    The last query row may attend to every earlier non-padding token, so it marks exactly them.
-    """
-    if mask is None:
-        return None
-    row = mask[:, 0, -1, :length]
-    return row if row.dtype == torch.bool else row == 0
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _read_pads(self, mask: torch.Tensor | None) -> None:
+        """Leading padding per row from the mask's last query row ([B, 1, q, T]); only left
+        padding is supported (padding after a real token would break the per-sequence layout)."""
+        if mask is None:
+            return
+        valid = mask[:, 0, -1, : self.length]
+        valid = valid if valid.dtype == torch.bool else valid == 0  # additive float masks
+        first = torch.where(valid.any(-1), valid.int().argmax(-1), self.length)  # [B]
+        pads = first.tolist()
+        holes = [b for b, pad in enumerate(pads) if not valid[b, pad:].all()]
+        if holes:
+            raise ValueError(f"attention_mask rows {holes} have padding after a real token; "
+                             "kvmix supports left padding only (tokenizer padding_side='left')")
+        self.pads = pads
+
+    def _attend_row(self, row: RowStore, query: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The fused op for a few new queries over a history it can read, else the reference."""
+        if self.backend == "cpu" and len(row) and query.shape[-2] <= cpu.MAX_QUERIES:
+            view = None
+            if row.blocks is not None:
+                view = self.method.kernel_view(row.blocks, self.layer_idx, row.selection)
+            if view is not None or row.blocks is None:
+                return cpu.attend(row, view, query, keys, values, scaling)
+        return reference.attend(row, query, keys, values, scaling)
+
+    def _pick(self, index: list[int]) -> None:
+        """Rows in a new order; a row used twice is copied, so every row owns its storage."""
+        if not self.is_initialized:
+            return
+        used: set[int] = set()
+        rows = []
+        for b in index:
+            rows.append(self.rows[b] if b not in used else self.rows[b].copy())
+            used.add(b)
+        self.rows, self.pads = rows, [self.pads[b] for b in index]

@@ -1,8 +1,10 @@
-"""One layer's packed segments (SPEC §2): ``[ sink | quantized blocks, append-only | residual ]``.
+"""One sequence's packed segments (SPEC §2): ``[ sink | blocks, append-only | residual ]``.
 
-New tokens enter the residual; whenever it holds ``residual`` tokens, its oldest ``group`` tokens
-are encoded once into a block. Blocks are never re-encoded. The store knows the method and the
-segments, never transformers: ``kvmix.runtime.layer`` adapts it to transformers' layer contract.
+The sink is the sequence's first ``sink`` real tokens; new tokens enter the residual; whenever it
+holds ``residual`` tokens, its oldest ``group`` tokens are encoded once into a block. Blocks are
+never re-encoded. Only real tokens enter (the layer strips padding), so a sequence gets the same
+store whether it runs alone or in a padded batch. Every tensor kept is its own storage: no view
+pins a prompt or a popped residual. The store knows the method, never transformers.
 """
 
 from __future__ import annotations
@@ -11,86 +13,68 @@ from typing import Any
 
 import torch
 
-from kvmix.core.tree import combine, map_tensors
+from kvmix.core.memory import owned
+from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
 
+FLOAT16_MAX = torch.finfo(torch.float16).max
 
-class SegmentStore:
-    """Sink, blocks and residual of one layer, with the flush rule, crop and batch ops."""
+
+class RowStore:
+    """Sink, blocks and residual of one sequence; every tensor has batch dimension 1."""
 
     def __init__(self, method: Method, layer: int):
         self.method = method
         self.layer = layer
-        self.clear()
-
-    def clear(self) -> None:
-        self.sink_keys = self.sink_values = None  # [B, H, s, D]
-        self.res_keys = self.res_values = None  # [B, H, r, D]
-        self.blocks: Blocks | None = None  # every tensor [B, n_blocks, ...]
+        self.sink_keys = self.sink_values = None  # [1, H, s, D]
+        self.res_keys = self.res_values = None  # [1, H, r, D]
+        self.blocks: Blocks | None = None  # every tensor [1, n_blocks, ...]
         self.lengths: list[int] = []  # tokens held per block (< group only after a crop)
         self.selection: Any = None
         self.prefilled = False
 
-    @property
-    def started(self) -> bool:
-        return self.res_keys is not None
-
-    @property
-    def length(self) -> int:
-        if not self.started:
+    def __len__(self) -> int:
+        if self.res_keys is None:
             return 0
         return self.sink_keys.shape[-2] + sum(self.lengths) + self.res_keys.shape[-2]
 
     # -- writing -------------------------------------------------------------------------------
 
-    def stage(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """New tokens, keys and values [B, H, q, D], enter the residual (keys in the cache's
-        key space: the method's key transform is applied here)."""
-        if not self.started:
-            self.sink_keys = self.res_keys = keys[..., :0, :]
-            self.sink_values = self.res_values = values[..., :0, :]
-            self.dtype, self.device = keys.dtype, keys.device
-        keys = self.method.transform_keys(keys, self.layer)
+    def append(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
+        """New real tokens after their attention: keys, values [1, H, q, D] (keys in the cache's
+        key space), queries [1, Hq, q, D]. Selects at the first call, then fills the sink and
+        flushes full groups."""
+        if self.res_keys is None:
+            self.sink_keys, self.sink_values = keys[..., :0, :], values[..., :0, :]
+            self.res_keys, self.res_values = self.sink_keys, self.sink_values
         self.res_keys = torch.cat([self.res_keys, keys], dim=-2)
         self.res_values = torch.cat([self.res_values, values], dim=-2)
-
-    def commit(self, queries: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """After attention: select channels once at prefill, then fill the sink and flush.
-
-        queries: [B, Hq, q, D] post-RoPE; valid: [B, T] bool (False at padding) or None.
-        """
-        if not self.prefilled:
-            keys = torch.cat([self.sink_keys, self.res_keys], dim=-2)
-            self.selection = self.method.select(queries, keys, valid, self.layer)
-            self.prefilled = True
-        else:
-            new_keys = self.res_keys[..., -queries.shape[-2]:, :]
-            self.selection = self.method.observe(self.selection, queries, new_keys, valid,
-                                                 self.layer)
+        self._select(queries, keys)
         self._fill_sink()
         fresh = []  # a long prompt flushes many blocks: stack them onto the history once
         while self.res_keys.shape[-2] >= self.method.residual:
-            fresh.append(self._encode_oldest(valid))
+            fresh.append(self._encode_oldest())
         if fresh:
             self._append(fresh)
+        self._own()
 
     # -- reading -------------------------------------------------------------------------------
 
-    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference attention path: every held token, blocks decoded (never re-encoded)."""
-        keys, values = self.decode_blocks()
+    def history(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference path: every held token, blocks decoded -> keys, values [1, H, L, D]."""
+        keys, values = self.decode_blocks(dtype)
         keys = torch.cat([self.sink_keys, keys, self.res_keys], dim=-2)
         values = torch.cat([self.sink_values, values, self.res_values], dim=-2)
         return keys, values
 
-    def decode_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """All blocks in one decode call -> keys, values: [B, H, sum(lengths), D]."""
+    def decode_blocks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """All blocks in one decode call -> keys, values: [1, H, sum(lengths), D]."""
         if self.blocks is None:
             return self.sink_keys[..., :0, :], self.sink_values[..., :0, :]
-        keys, values = self.method.decode(self.blocks, self.layer, self.selection, self.dtype)
-        keys, values = (x.transpose(1, 2).flatten(2, 3) for x in (keys, values))  # [B, H, n*G, D]
+        keys, values = self.method.decode(self.blocks, self.layer, self.selection, dtype)
+        keys, values = (x.transpose(1, 2).flatten(2, 3) for x in (keys, values))  # [1, H, n*G, D]
         if sum(self.lengths) < len(self.lengths) * self.method.group:  # a crop ended in a block
-            held = self._held_positions()
+            held = self._held_positions(keys.device)
             keys, values = keys.index_select(2, held), values.index_select(2, held)
         return keys, values
 
@@ -98,6 +82,8 @@ class SegmentStore:
 
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` tokens of every segment, in order."""
+        if self.res_keys is None:
+            return
         s = min(length, self.sink_keys.shape[-2])
         self.sink_keys, self.sink_values = _head(self.sink_keys, self.sink_values, s)
         left = length - s
@@ -111,21 +97,36 @@ class SegmentStore:
         n = len(lengths)
         self.blocks = map_tensors(self.blocks, lambda t: t[:, :n]) if n else None
         self.res_keys, self.res_values = _head(self.res_keys, self.res_values, left)
+        self._own()
 
-    def map_batch(self, fn) -> None:
-        """Apply ``fn`` to every tensor along the batch (beam reorder, repeat, select, moves)."""
-        if not self.started:
-            return
-        self.sink_keys, self.sink_values = fn(self.sink_keys), fn(self.sink_values)
-        self.res_keys, self.res_values = fn(self.res_keys), fn(self.res_values)
-        self.blocks = map_tensors(self.blocks, fn)
-        self.selection = map_tensors(self.selection, fn)
+    def copy(self, fn=lambda t: t.clone()) -> RowStore:
+        """A store holding ``fn`` of every tensor (a deep copy by default; ``fn`` may move)."""
+        twin = RowStore(self.method, self.layer)
+        twin.__dict__.update({**self.__dict__, "lengths": list(self.lengths)})
+        for name in ("sink_keys", "sink_values", "res_keys", "res_values", "blocks", "selection"):
+            setattr(twin, name, map_tensors(getattr(self, name), fn))
+        return twin
+
+    def tagged(self) -> list[tuple[str, torch.Tensor]]:
+        """(kind, tensor) of everything held: sink, residual, block kinds, masks."""
+        if self.res_keys is None:
+            return []
+        return [("sink", self.sink_keys), ("sink", self.sink_values),
+                ("residual", self.res_keys), ("residual", self.res_values),
+                *tagged_tensors(self.blocks, "full"), *tagged_tensors(self.selection, "masks")]
 
     # -- the flush -----------------------------------------------------------------------------
 
-    def _held_positions(self) -> torch.Tensor:
+    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        if not self.prefilled:  # the prompt: everything held so far is in the residual
+            self.selection = self.method.select(queries, self.res_keys, self.layer)
+            self.prefilled = True
+        else:
+            self.selection = self.method.observe(self.selection, queries, keys, self.layer)
+
+    def _held_positions(self, device: torch.device) -> torch.Tensor:
         g = self.method.group
-        return torch.cat([torch.arange(i * g, i * g + n, device=self.device)
+        return torch.cat([torch.arange(i * g, i * g + n, device=device)
                           for i, n in enumerate(self.lengths)])
 
     def _fill_sink(self) -> None:
@@ -137,15 +138,13 @@ class SegmentStore:
         self.sink_keys = torch.cat([self.sink_keys, keys], dim=-2)
         self.sink_values = torch.cat([self.sink_values, values], dim=-2)
 
-    def _encode_oldest(self, valid: torch.Tensor | None) -> Blocks:
-        """Encode (once) the oldest ``group`` residual tokens -> a block, tensors [B, 1, ...]."""
-        g = self.method.group
-        start = self.length - self.res_keys.shape[-2]
-        keys, values = self._pop_residual(g)  # [B, H, G, D]
-        _check_finite(keys, values, self.layer)
-        block_valid = None if valid is None else valid[:, start : start + g]  # [B, G]
-        state = self.method.encode(keys, values, block_valid, self.layer, self.selection)
-        self.lengths.append(g)
+    def _encode_oldest(self) -> Blocks:
+        """Encode (once) the oldest ``group`` residual tokens -> a block, tensors [1, 1, ...]."""
+        keys, values = self._pop_residual(self.method.group)  # [1, H, G, D]
+        if self.method.quantizes:
+            check_float16_range(keys, values, self.layer)
+        state = self.method.encode(keys, values, self.layer, self.selection)
+        self.lengths.append(self.method.group)
         return map_tensors(Blocks(*state), lambda t: t.unsqueeze(1))
 
     def _append(self, fresh: list[Blocks]) -> None:
@@ -154,18 +153,33 @@ class SegmentStore:
         self.blocks = combine(parts, lambda tensors: torch.cat(tensors, dim=1))
 
     def _pop_residual(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Remove and return the oldest ``n`` residual tokens: keys, values [B, H, n, D]."""
+        """Remove and return the oldest ``n`` residual tokens: keys, values [1, H, n, D]."""
         popped = _head(self.res_keys, self.res_values, n)
         self.res_keys, self.res_values = self.res_keys[..., n:, :], self.res_values[..., n:, :]
         return popped
 
+    def _own(self) -> None:
+        """Give every kept tensor its own storage (slices would pin what they were cut from)."""
+        for name in ("sink_keys", "sink_values", "res_keys", "res_values", "blocks"):
+            setattr(self, name, map_tensors(getattr(self, name), owned))
+
+
+def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
+    for name, x in (("keys", keys), ("values", values)):
+        if not torch.isfinite(x).all():
+            raise ValueError(f"non-finite {name} in layer {layer}: kvmix keeps finite values "
+                             "only (check the model's dtype and inputs)")
+
+
+def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
+    """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored."""
+    for name, x in (("keys", keys), ("values", values)):
+        peak = x.abs().amax().item()
+        if peak > FLOAT16_MAX:
+            raise ValueError(f"{name} in layer {layer} reach {peak:.3g}, beyond the float16 range "
+                             f"(±{FLOAT16_MAX:.0f}) of the stored scales and minimums; use "
+                             "method 'full' for this model")
+
 
 def _head(keys: torch.Tensor, values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return keys[..., :n, :], values[..., :n, :]
-
-
-def _check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
-    for name, x in (("keys", keys), ("values", values)):
-        if not torch.isfinite(x).all():
-            raise ValueError(f"non-finite {name} in layer {layer}: kvmix quantizes finite "
-                             "values only (check the model's dtype and inputs)")

@@ -1,0 +1,156 @@
+"""The fused CPU decode op (``decode.cpp``): built with the system C++ compiler on first use into
+a cache keyed by the source, the torch version, the compiler and the CPU, then loaded as the
+torch op ``torch.ops.kvmix.decode``.
+
+``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries: the same
+inputs, the same output, without building a float history. Flags: ``-O3 -march=native`` (the
+cache key holds the CPU) and ``-fopenmp-simd`` for vector reductions; never ``-ffast-math``
+(masked scores are -inf). Threads come from torch's own pool (``at::parallel_for``).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from kvmix.methods import ChannelKeys, KernelView
+from kvmix.runtime.store import RowStore
+
+SOURCE = Path(__file__).with_name("decode.cpp")
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-w")
+MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
+
+
+class KernelUnavailable(RuntimeError):
+    """The op could not be built or loaded; the message says why."""
+
+
+@functools.cache
+def load() -> None:
+    """Build (once per cache key) and load the op; KernelUnavailable with the cause if not."""
+    library = _cache_dir() / "kvmix_decode.so"
+    if not library.is_file():
+        _build(library)
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:
+        raise KernelUnavailable(f"loading {library} failed: {error}") from error
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when the op runs here, else (False, the cause)."""
+    try:
+        load()
+    except KernelUnavailable as error:
+        return False, str(error)
+    return True, ""
+
+
+def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
+           values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [1, Hq, q, D] of the new tokens keys, values [1, H, q, D] over everything ``row``
+    holds (its blocks read through ``view``) and themselves, causally -> [1, Hq, q, D]."""
+    dtype = query.dtype
+    floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values)] if len(row) else []
+    if view is not None and isinstance(view.keys, torch.Tensor):  # float blocks
+        floats += _float_blocks(view, row.lengths)
+        view = None
+    segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
+    float_keys = [_float32(k) for k, _ in segments]
+    float_values = [_float32(v) for _, v in segments]
+    packed = _packed_arguments(row, view)
+    out = torch.ops.kvmix.decode(_float32(query[0]), scaling, float_keys, float_values, 1,
+                                 row.method.group, *packed)
+    return out.unsqueeze(0).to(dtype)
+
+
+def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:
+    """Float blocks [n, H, G, D] as segments; a block a crop cut short is its own segment."""
+    whole = [i for i, held in enumerate(lengths) if held == view.keys.shape[2]]
+    if len(whole) == len(lengths):
+        return [(view.keys, view.values)]
+    return [(view.keys[i : i + 1, :, :held].contiguous(), view.values[i : i + 1, :, :held]
+             .contiguous()) for i, held in enumerate(lengths)]
+
+
+def _packed_arguments(row: RowStore, view: KernelView | None) -> list:
+    """The op's arguments after ``group``: block lengths, channel planes, per-token keys,
+    per-token values (empty when no block is held)."""
+    if view is None:
+        return [[], [], [], [], [], None, None, None, None, 0, 0, None, 0, 0, None, None]
+    keys, values = view.keys, view.values
+    if isinstance(keys, ChannelKeys):
+        planes = ([p.codes for p in keys.planes], [p.bits for p in keys.planes],
+                  [p.index for p in keys.planes], [p.mult for p in keys.planes])
+        key_args = [keys.scale, keys.minimum, keys.offset, None, 0, 0]
+    else:
+        planes = ([], [], [], [])
+        key_args = [keys.scale, keys.minimum, None, keys.codes, keys.bits, keys.group]
+    return [row.lengths, *planes, *key_args, values.codes, values.bits, values.group,
+            values.scale, values.minimum]
+
+
+def _float32(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+
+
+def _cache_dir() -> Path:
+    root = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix")) / "kernels"
+    return root / _cache_key()
+
+
+def _cache_key() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in (torch.__version__, sys.version, platform.machine(), _cpu_flags(),
+                 _compiler_version(), " ".join(FLAGS)):
+        digest.update(part.encode())
+    return digest.hexdigest()[:16]
+
+
+def _build(library: Path) -> None:
+    """g++ with torch's headers and libraries into ``library`` (atomically)."""
+    root = Path(torch.__file__).parent
+    library.parent.mkdir(parents=True, exist_ok=True)
+    partial = library.with_suffix(f".{os.getpid()}.tmp")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    command = [_compiler(), *FLAGS, abi, f"-I{root / 'include'}", str(SOURCE), "-o", str(partial),
+               f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10",
+               f"-Wl,-rpath,{root / 'lib'}"]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+    except OSError as error:
+        raise KernelUnavailable(f"no C++ compiler ({command[0]}): {error}") from error
+    if result.returncode:
+        raise KernelUnavailable(f"{command[0]} failed to build {SOURCE.name}:\n"
+                                f"{result.stderr.strip()[-2000:]}")
+    os.replace(partial, library)
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "g++")
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run([_compiler(), "--version"], capture_output=True, text=True,
+                              check=False).stdout
+    except OSError:
+        return "none"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+

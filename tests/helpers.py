@@ -1,0 +1,110 @@
+"""Helpers the cache tests share: a cache on the tiny Llama's shapes for any method string, and
+a driver that feeds one layer the way the model and the kvmix attention function do."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+from conftest import TINY, tiny_llama
+from transformers import LlamaConfig
+
+from kvmix.core.transforms import TransformSet, save_transforms
+from kvmix.evaluation.calibration import collect_moments, compute_transforms
+from kvmix.methods import method_names, parse_method
+from kvmix.runtime.cache import KVMixCache, model_spec
+from kvmix.runtime.layer import take_pending
+
+SINK, RESIDUAL, GROUP = 4, 16, 8
+B, H, HQ, D = 3, TINY["num_key_value_heads"], TINY["num_attention_heads"], TINY["head_dim"]
+METHODS = [*(m for m in method_names() if m != "wush"), "wush", "wush:quantizer=percentile",
+           "wush:transform=hadamard", "pnmix:selection=online", "pnmix:criterion=key_range",
+           "kxvy:rotate=values", "kxvy:rotate=keys", "kxvy:backend=hqq,key_bits=4,value_bits=1",
+           "kxvy:backend=quanto,key_bits=2,value_bits=4"]
+PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)  # Llama's rotate_half
+
+
+def tiny_transforms() -> str:
+    """A WUSH transforms file for the tiny Llama's shapes (2 layers, 2 KV heads, D 32)."""
+    return transforms_for(tiny_llama(seed=5))
+
+
+_TRANSFORMS: dict[str, str] = {}
+
+
+def transforms_for(model) -> str:
+    """A WUSH transforms file calibrated on ``model`` (one per model kind and shape)."""
+    spec = model_spec(model.config)
+    key = f"{model.config.model_type}:{spec.n_layers}:{spec.n_kv_heads}:{spec.head_dim}"
+    if key not in _TRANSFORMS:
+        _TRANSFORMS[key] = _calibrate(model)
+    return _TRANSFORMS[key]
+
+
+def _calibrate(model) -> str:
+    spec = model_spec(model.config)
+    ids = torch.randint(1, 97, (1, 128), generator=torch.Generator().manual_seed(5))
+    matrices = compute_transforms(model, collect_moments(model, ids, 64), spec.head_dim, 0.01)
+    meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
+            "head_dim": str(spec.head_dim), "block": str(spec.head_dim), "damping": "0.01",
+            "data": "random", "tokens": "128"}
+    path = Path(tempfile.mkdtemp()) / "transforms.safetensors"
+    save_transforms(path, TransformSet(matrices["keys"], matrices["values"], meta))
+    return str(path)
+
+
+def method_string(name: str, model=None, **layout) -> str:
+    """``name`` with the small test layout (and, for wush, transforms for ``model`` or the tiny
+    Llama) filled in."""
+    layout = {"sink": SINK, "residual": RESIDUAL, "group": GROUP, **layout}
+    if name.startswith("wush"):
+        overrides = name.partition(":")[2]
+        path = transforms_for(model) if model is not None else tiny_transforms()
+        name = f"wush:transforms={path}" + (f",{overrides}" if overrides else "")
+    return name + ("," if ":" in name else ":") + ",".join(f"{k}={v}" for k, v in layout.items())
+
+
+def make(name: str, **layout) -> KVMixCache:
+    method = parse_method(method_string(name, **layout))
+    # values of wush / rotate=values come from a folded model; the layer contract needs none
+    fold = method.value_fold(model_spec(LlamaConfig(**TINY)))
+    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None)
+
+
+def tokens(batch: int, count: int, seed: int, dtype=torch.float16):
+    """Random keys, values [batch, H, count, D] and queries [batch, HQ, count, D]."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(batch, H, count, D, generator=g).to(dtype) * 3 + 1
+    values = torch.randn(batch, H, count, D, generator=g).to(dtype)
+    return keys, values, torch.randn(batch, HQ, count, D, generator=g).to(dtype)
+
+
+def feed(cache: KVMixCache, count: int, seed: int = 0, batch: int = B) -> torch.Tensor:
+    """Drive layer 0 as a model does: update, then the attention hook's attend (which commits).
+    Returns the attention output [batch, HQ, count, D]."""
+    keys, values, queries = tokens(batch, count, seed + cache.get_seq_length())
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    queries = cache.method.transform_queries(queries, 0)
+    return layer.attend(queries, None, D**-0.5)
+
+
+def expected_layout(total: int) -> tuple[int, int, int]:
+    """(sink, blocks, residual) the flush rule gives after ``total`` tokens."""
+    sink = min(total, SINK)
+    rest = total - sink
+    blocks = 0 if rest < RESIDUAL else (rest - RESIDUAL) // GROUP + 1
+    return sink, blocks, rest - blocks * GROUP
+
+
+def attend(cache: KVMixCache, queries: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+    """The hook's side of one attention call after ``cache.update``: queries into the cache's
+    key space, attend, commit. mask: [B, 1, q, T] bool or None."""
+    layer = take_pending()
+    layer.attend(cache.method.transform_queries(queries, layer.layer_idx), mask, D**-0.5)
+
+
+def per_row(layer, fn) -> torch.Tensor:
+    """``fn(row)`` for every sequence of a layer, concatenated along the batch."""
+    return torch.cat([fn(row) for row in layer.rows])

@@ -1,0 +1,157 @@
+"""Every method and preset through ``model.generate``: left-padded batches reproduce each
+sequence run alone, beam search and sampling keep each row's own history, hybrid models work."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from conftest import tiny_llama
+from helpers import method_string
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+import kvmix
+from kvmix.core.memory import reachable_bytes
+from kvmix.methods import method_names
+
+METHODS = method_names()
+PROMPTS = (20, 37, 51)  # tokens; left-padded to 51 in the batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(seed=4)
+
+
+def prompts() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(1, 97, (n,), generator=g) for n in PROMPTS]
+
+
+def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask [B, T], each row right-aligned after zeros."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    return ids, mask
+
+
+def runner_and_method(model, name: str):
+    method = method_string(name, model if name.startswith("wush") else None)
+    return kvmix.prepare_model(model, method), method
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("name", METHODS)
+def test_a_padded_batch_generates_exactly_what_each_sequence_generates_alone(model, name,
+                                                                               backend):
+    """Each sequence keeps its own sink, group boundaries and statistics, and attends over its
+    own tokens, so padding changes nothing: 300 greedy tokens, token for token, every row."""
+    runner, method = runner_and_method(model, name)
+    ids, mask = left_padded(prompts())
+    greedy = {"max_new_tokens": 300, "min_new_tokens": 300, "do_sample": False}
+    cache = kvmix.make_cache(runner, method, backend=backend)
+    with torch.no_grad():
+        together = runner.generate(ids, attention_mask=mask, cache=cache, **greedy)
+        for b, prompt in enumerate(prompts()):
+            alone = runner.generate(prompt[None],
+                                    cache=kvmix.make_cache(runner, method, backend=backend),
+                                    **greedy)
+            assert torch.equal(together[b, ids.shape[1]:], alone[0, len(prompt):]), f"row {b}"
+    assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_beam_search_keeps_each_beams_own_history(model, name):
+    """A beam's score from generate equals the score of its tokens re-read through a fresh
+    cache: reorder_cache moved every beam's sink, blocks, residual and selection with it."""
+    runner, method = runner_and_method(model, name)
+    ids = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(5))
+    cache = kvmix.make_cache(runner, method)
+    with torch.no_grad():
+        out = runner.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
+                              max_new_tokens=30, num_beams=3, do_sample=False, length_penalty=0.0,
+                              eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+    assert out.sequences.shape == (2, 54)
+    assert len(cache.layers[0].rows) == 6  # batch x beams
+    assert cache.nbytes() == reachable_bytes(cache)  # every beam owns its storage
+    for b in range(2):
+        rescored = teacher_forced(runner, method, out.sequences[b], 24).sum()
+        assert rescored.item() == pytest.approx(out.sequences_scores[b].item(), abs=1e-3)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_sampling_expands_each_sequence_into_independent_rows(model, name):
+    """num_return_sequences repeats every row (batch_repeat_interleave); each sample's logits
+    equal those of its own tokens re-read through a fresh cache."""
+    runner, method = runner_and_method(model, name)
+    ids = torch.randint(1, 97, (1, 24), generator=torch.Generator().manual_seed(6))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = runner.generate(ids, attention_mask=torch.ones_like(ids),
+                              cache=kvmix.make_cache(runner, method), max_new_tokens=20,
+                              do_sample=True, num_return_sequences=3, eos_token_id=None,
+                              output_logits=True, return_dict_in_generate=True)
+    samples = out.sequences[:, 24:]
+    assert len({tuple(s.tolist()) for s in samples}) > 1  # really sampled
+    logits = torch.stack(out.logits, 1)  # [3, 20, V]
+    for b in range(3):
+        expected = torch.log_softmax(logits[b].float(), -1)
+        reread = teacher_forced(runner, method, out.sequences[b], 24, full=True)
+        torch.testing.assert_close(reread, expected, rtol=0, atol=1e-4)
+
+
+@torch.no_grad()
+def teacher_forced(runner, method: str, sequence: torch.Tensor, prompt: int,
+                   full: bool = False) -> torch.Tensor:
+    """Log-probabilities of ``sequence[prompt:]`` read one token at a time through a fresh
+    cache: [N] of the chosen tokens, or [N, V] with ``full``."""
+    cache = kvmix.make_cache(runner, method)
+    logits = runner(sequence[None, :prompt], cache=cache, use_cache=True).logits[0, -1]
+    out = []
+    for t in range(prompt, sequence.shape[0]):
+        logprobs = torch.log_softmax(logits.float(), -1)
+        out.append(logprobs if full else logprobs[sequence[t]])
+        logits = runner(sequence[None, t : t + 1], cache=cache, use_cache=True).logits[0, -1]
+    return torch.stack(out)
+
+
+def tiny_gemma3() -> Gemma3ForCausalLM:
+    """Sliding and full layers, one KV head, RoPE frequencies per layer type."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=512,
+        pad_token_id=0)
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_gemma3()
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_hybrid_models_pack_full_layers_and_count_every_layer(gemma, name):
+    runner, method = runner_and_method(gemma, name)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache = kvmix.make_cache(runner, method)
+    assert [str(w.message) for w in caught if "full-attention layers only" in str(w.message)]
+    ids, mask = left_padded(prompts()[:2])
+    with torch.no_grad():
+        out = runner.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=40,
+                              min_new_tokens=40, do_sample=False)
+    assert out.shape == (2, ids.shape[1] + 40)
+    assert [i for i, layer in enumerate(cache.layers) if layer in cache.packed_layers] == [1, 3]
+    kinds = cache.nbytes_breakdown()
+    assert kinds["other_layers"] > 0 and cache.nbytes() == reachable_bytes(cache)
+    assert cache.nbytes() == cache.theoretical_nbytes()
+    held = sum(len(row) for layer in cache.packed_layers for row in layer.rows)
+    assert held == 2 * (sum(PROMPTS[:2]) + 2 * 39)  # 2 layers; the last token is never fed back
+    window = sum(layer.keys.shape[0] * layer.keys.shape[-2] for layer in cache.other_layers)
+    assert cache.fp16_nbytes() == 4 * 32 * (held + window)  # 16-bit K and V, same layers

@@ -1,0 +1,167 @@
+"""The fused CPU decode op against the torch reference path, on every method it serves: random
+caches with GQA, several sequences, padding, crops, reordered beams, chunked decode and edge
+lengths of sink and residual; plus how backends are chosen and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import HQ, METHODS, D, make, method_string, tokens
+
+import kvmix
+from kvmix.methods import method_classes
+from kvmix.runtime.kernels import cpu, reference, resolve
+from kvmix.runtime.layer import take_pending
+
+FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
+        and "backend=" not in m]
+SCALE = D**-0.5
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    cpu.load()  # builds on first use: a broken build fails here, loudly
+
+
+def compare_rows(cache, count: int, seed: int, batch: int, mask=None) -> float:
+    """Stage ``count`` tokens and compare the op with the reference on every row before the
+    layer attends (and commits); returns the worst relative error."""
+    keys, values, queries = tokens(batch, count, seed, dtype=torch.float32)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    queries = cache.method.transform_queries(queries, 0)
+    staged_keys, staged_values = layer.staged
+    worst = 0.0
+    if mask is not None:
+        layer._read_pads(mask)
+    for b, row in enumerate(layer.rows):
+        new = min(count, layer.length - layer.pads[b])
+        if new <= 0 or not len(row):
+            continue
+        q = queries[b : b + 1, :, -new:]
+        k, v = staged_keys[b : b + 1, :, -new:], staged_values[b : b + 1, :, -new:]
+        view = None if row.blocks is None else cache.method.kernel_view(row.blocks, 0,
+                                                                         row.selection)
+        assert view is not None or row.blocks is None, "a method in FAST has no view"
+        fast = cpu.attend(row, view, q, k, v, SCALE)
+        exact = reference.attend(row, q, k, v, SCALE)
+        torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
+        worst = max(worst, ((fast - exact).abs().max() / exact.abs().max()).item())
+    layer.attend(queries, mask, SCALE)
+    return worst
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_the_op_matches_the_reference_through_a_generation(name):
+    cache = make(name)
+    compare_rows(cache, 45, seed=0, batch=3)
+    for step, count in enumerate([1, 1, 5, 1, 16, 1, 1, 8, 1]):  # single and chunked decode
+        compare_rows(cache, count, seed=step + 1, batch=3)
+    cache.crop(-13)  # the crop ends inside a block: partial blocks
+    compare_rows(cache, 1, seed=40, batch=3)
+    cache.reorder_cache(torch.tensor([2, 0, 0]))  # beams: copied rows
+    compare_rows(cache, 2, seed=41, batch=3)
+    assert len(cache.layers[0].rows[0].lengths) >= 3
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush", "full", "chanmix"])
+@pytest.mark.parametrize("sink, prompt", [(0, 17), (1, 25), (8, 8), (8, 9), (4, 4 + 16 + 8)])
+def test_edge_lengths_of_sink_and_residual(name, sink, prompt):
+    """Empty sink, a one-token sink, a prompt that is all sink, a residual of exactly one
+    group after the first flush, and one new token on top of each."""
+    cache = make(name, sink=sink)
+    compare_rows(cache, prompt, seed=3, batch=2)
+    for step in range(3):
+        compare_rows(cache, 1, seed=10 + step, batch=2)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "kxvy:key_bits=3,value_bits=3"])
+def test_left_padded_rows_read_only_their_own_tokens(name):
+    cache = make(name)
+    lengths = torch.tensor([50, 31])
+    total = 50
+    mask = (torch.arange(total)[None] >= total - lengths[:, None])[:, None, None, :]
+    compare_rows(cache, total, seed=5, batch=2, mask=mask)
+    for step in range(4):
+        grown = torch.cat([mask, torch.ones(2, 1, 1, step + 1, dtype=torch.bool)], -1)
+        compare_rows(cache, 1, seed=20 + step, batch=2, mask=grown[..., :, :])
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_every_width_of_kxvy(bits):
+    cache = make(f"kxvy:key_bits={bits},value_bits={ {1: 8, 2: 4, 3: 3, 4: 2, 8: 1}[bits]}")
+    compare_rows(cache, 60, seed=bits, batch=1)
+    assert compare_rows(cache, 1, seed=100 + bits, batch=1) < 1e-5
+
+
+def test_methods_say_which_have_a_fast_path(capsys):
+    from kvmix.cli import main
+
+    main(["methods"])
+    out = capsys.readouterr().out
+    assert "fast path" in out and "reference only" in out
+    classes = method_classes()
+    assert classes["polar"].fast_path.startswith("reference only")
+    assert all(classes[m].fast_path.startswith("cpu op") for m in ("kivi", "pnmix", "wush"))
+
+
+def test_backends_are_resolved_and_refused_clearly(monkeypatch):
+    assert resolve("torch", "cpu") == "torch" and resolve("cpu", "cpu") == "cpu"
+    assert resolve("auto", "cpu") == "cpu"
+    with pytest.raises(ValueError, match="backend='gpu' is invalid; valid: auto, torch, cpu"):
+        resolve("gpu", "cpu")
+    with pytest.raises(ValueError, match="backend='cpu' runs on CPU tensors; the model is on meta"):
+        resolve("cpu", "meta")
+    assert resolve("auto", "meta") == "torch"
+    monkeypatch.setattr(cpu, "available", lambda: (False, "g++ failed: boom"))
+    with pytest.raises(ValueError, match="backend='cpu' is unavailable: g\\+\\+ failed: boom"):
+        resolve("cpu", "cpu")
+    with pytest.warns(UserWarning, match="unavailable, using the reference path: g\\+\\+ fail"):
+        assert resolve("auto", "cpu") == "torch"
+
+
+def test_a_compiler_failure_names_the_compiler_and_its_message(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(cpu.KernelUnavailable, match="no C\\+\\+ compiler"):
+        cpu._build(tmp_path / "op.so")
+    fake = tmp_path / "cxx"
+    fake.write_text("#!/bin/sh\necho 'error: it broke' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    with pytest.raises(cpu.KernelUnavailable,
+                       match=r"failed to build decode\.cpp:\nerror: it broke"):
+        cpu._build(tmp_path / "op.so")
+
+
+def test_tensors_off_the_cpu_are_refused_by_the_cpu_backend(tiny_model):
+    cache = kvmix.KVMixCache("kivi2", tiny_model.config, backend="cpu")
+    with pytest.raises(ValueError, match="backend='cpu' runs on CPU tensors; layer 0's keys are "
+                                         "on meta"):
+        cache.update(torch.empty(1, 2, 3, 32, device="meta"),
+                     torch.empty(1, 2, 3, 32, device="meta"), 0)
+    with pytest.raises(ValueError, match="backend='auto' is invalid here; valid: torch, cpu"):
+        kvmix.KVMixCache("kivi2", tiny_model.config, backend="auto")
+
+
+def test_generation_is_the_same_with_both_backends(tiny_model):
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(9))
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        cache = kvmix.make_cache(tiny_model, method_string("pnmix1"), backend=backend)
+        assert cache.backend == backend
+        with torch.no_grad():
+            outputs[backend] = tiny_model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                   cache=cache, max_new_tokens=60,
+                                                   min_new_tokens=60, do_sample=False)
+    assert torch.equal(outputs["torch"], outputs["cpu"])
+
+
+def test_the_op_checks_its_inputs():
+    query = torch.randn(HQ, 1, D)
+    keys = torch.randn(1, 2, 5, D)
+    with pytest.raises(RuntimeError, match="float segments must be"):
+        torch.ops.kvmix.decode(query, 1.0, [keys], [keys[:, :, :4]], 1, 8, [], [], [], [], [],
+                               None, None, None, None, 0, 0, None, 0, 0, None, None)
+    with pytest.raises(RuntimeError, match="the causal segment must hold exactly the new tokens"):
+        torch.ops.kvmix.decode(query, 1.0, [keys], [keys], 1, 8, [], [], [], [], [],
+                               None, None, None, None, 0, 0, None, 0, 0, None, None)
