@@ -160,7 +160,7 @@ def test_high_channels_store_their_one_bit_code_in_the_top_bit():
     cache = make("pnmix:ratio=0.5,sink=0,residual=16,group=8")
     fill(cache, keys, torch.zeros_like(keys), gaussian(1, HQ, 17, D))
     stored = cache.layers[0].rows[0].blocks.keys
-    low = unpack(stored.low, 1, H * 8 * D).view(1, 1, H, 8, D)[0, 0]
+    low = unpack(stored.low, 1, H * 8 * D, 8).view(1, 1, H, D, 8)[0, 0].transpose(-1, -2)
     one_bit = dequantize(quantize(keys[:, :, :8], 1, dim=-2, center=True))  # [1, H, 8, D]
     lower_half = one_bit < keys[:, :, :8].amin(-2, keepdim=True) + (
         keys[:, :, :8].amax(-2, keepdim=True) - keys[:, :, :8].amin(-2, keepdim=True)) / 2

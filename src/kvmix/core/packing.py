@@ -1,10 +1,14 @@
 """Bit packing of integer codes into ``uint8``.
 
-Codes are packed row-wise: dimension 0 (the batch) is kept so that beam search and batch ops can
-index packed storage directly; everything after it is flattened into one bit stream per row.
-Widths 1, 2, 4 and 8 pack ``8 // bits`` codes per byte. Width 3 is stored as a 2-bit plane (the
-low bits) followed by a 1-bit plane (the top bit), so no bits are wasted beyond the last byte of
-each plane.
+Dimension 0 (the batch) is kept, so beam search and batch ops index packed storage directly.
+Every *row* — the last dimension of the codes, e.g. the tokens of one key channel in a block,
+or the channels of one value token — is packed on its own into whole bytes. Inside a row of
+``W`` bytes, byte ``w`` holds codes ``w, w + W, w + 2W, ...`` at shifts ``0, b, 2b, ...``: a row
+shifted right by ``i·b`` and masked is codes ``[i·W, (i+1)·W)`` in order, so a fused kernel
+unpacks with plain vector shifts. Widths 1, 2, 4 and 8 pack ``8 // bits`` codes per byte; width
+3 stores each row as its 2-bit plane (the low bits) followed by its 1-bit plane (the top bit).
+No bit is wasted when a row's codes fill whole bytes (``row·bits`` a multiple of 8, true for
+every layout kvmix stores); otherwise each plane of a row is padded to a byte.
 """
 
 from __future__ import annotations
@@ -22,33 +26,44 @@ def check_bits(bits: int, name: str = "bits", allowed: tuple[int, ...] = WIDTHS)
     return bits
 
 
-def packed_bytes(numel: int, bits: int) -> int:
-    """Bytes one row of ``numel`` codes occupies once packed."""
+def row_bytes(row: int, bits: int) -> int:
+    """Bytes one row of ``row`` codes occupies once packed."""
     if bits == 3:
-        return packed_bytes(numel, 2) + packed_bytes(numel, 1)
-    return math.ceil(numel * bits / 8)
+        return row_bytes(row, 2) + row_bytes(row, 1)
+    return math.ceil(row * bits / 8)
+
+
+def packed_bytes(numel: int, bits: int, row: int) -> int:
+    """Bytes ``numel`` codes in rows of ``row`` occupy once packed."""
+    return numel // row * row_bytes(row, bits)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """codes: [B, ...] integers in [0, 2**bits) -> packed: [B, packed_bytes(numel, bits)] uint8."""
+    """codes: [B, ..., row] integers in [0, 2**bits) -> packed: [B, bytes] uint8."""
     check_bits(bits)
-    rows = codes.reshape(codes.shape[0], -1).to(torch.uint8)  # [B, N]
+    row = codes.shape[-1] if codes.dim() > 1 else 1  # a 1-D tensor: one code per batch row
+    rows = codes.reshape(-1, row).to(torch.uint8)  # [M, row]
     if bits == 3:
-        return torch.cat([_pack_plane(rows & 3, 2), _pack_plane(rows >> 2, 1)], dim=1)
-    return _pack_plane(rows, bits)
+        packed = torch.cat([_pack_plane(rows & 3, 2), _pack_plane(rows >> 2, 1)], dim=1)
+    else:
+        packed = _pack_plane(rows, bits)
+    return packed.reshape(codes.shape[0], -1)
 
 
-def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    """packed: [..., P] uint8 -> codes: [..., numel] uint8 (reshape to the caller's row shape).
-
-    Leading dimensions are rows: the batch, and the block axis of stacked blocks.
-    """
+def unpack(packed: torch.Tensor, bits: int, numel: int, row: int) -> torch.Tensor:
+    """packed: [..., P] uint8 -> codes: [..., numel] uint8, ``numel`` codes in rows of ``row``
+    (reshape to the caller's row shape). Leading dimensions are the batch, and the block axis
+    of stacked blocks."""
     check_bits(bits)
+    lead = packed.shape[:-1]
+    rows = packed.reshape(*lead, numel // row, row_bytes(row, bits))
     if bits == 3:
-        split = packed_bytes(numel, 2)
-        low = _unpack_plane(packed[..., :split], 2, numel)
-        return low | (_unpack_plane(packed[..., split:], 1, numel) << 2)
-    return _unpack_plane(packed, bits, numel)
+        split = row_bytes(row, 2)
+        low = _unpack_plane(rows[..., :split], 2, row)
+        codes = low | (_unpack_plane(rows[..., split:], 1, row) << 2)
+    else:
+        codes = _unpack_plane(rows, bits, row)
+    return codes.reshape(*lead, numel)
 
 
 def _shifts(bits: int, device: torch.device) -> torch.Tensor:
@@ -56,17 +71,18 @@ def _shifts(bits: int, device: torch.device) -> torch.Tensor:
 
 
 def _pack_plane(rows: torch.Tensor, bits: int) -> torch.Tensor:
-    # rows: [B, N] -> [B, ceil(N * bits / 8)]
+    # rows: [M, N] -> [M, W], W = ceil(N·bits / 8); segment i of a row lands at shift i·bits
     per_byte = 8 // bits
-    pad = (-rows.shape[1]) % per_byte
-    rows = torch.nn.functional.pad(rows, (0, pad)).view(rows.shape[0], -1, per_byte)
-    return (rows << _shifts(bits, rows.device)).sum(dim=-1, dtype=torch.uint8)
+    width = row_bytes(rows.shape[1], bits)
+    padded = torch.nn.functional.pad(rows, (0, width * per_byte - rows.shape[1]))
+    segments = padded.view(rows.shape[0], per_byte, width)  # [M, segment, byte]
+    return (segments << _shifts(bits, rows.device)[:, None]).sum(dim=1, dtype=torch.uint8)
 
 
-def _unpack_plane(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
-    # packed: [..., P] -> [..., numel]
+def _unpack_plane(packed: torch.Tensor, bits: int, row: int) -> torch.Tensor:
+    # packed: [..., W] -> [..., row]
     if bits == 8:
-        return packed[..., :numel]
+        return packed[..., :row]
     mask = (1 << bits) - 1
-    codes = (packed.unsqueeze(-1) >> _shifts(bits, packed.device)) & mask  # [..., P, 8 // bits]
-    return codes.flatten(-2)[..., :numel]
+    codes = (packed.unsqueeze(-2) >> _shifts(bits, packed.device)[:, None]) & mask  # [..., s, W]
+    return codes.flatten(-2)[..., :row]

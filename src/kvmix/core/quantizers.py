@@ -84,7 +84,7 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """QuantizedTensor -> x̂: [*rows, *q.shape] in ``dtype``; rows are the leading dimensions of
     ``codes`` ([B], or [B, n_blocks] for stacked blocks)."""
     rows = q.codes.shape[:-1]
-    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape)
+    codes = unpack(q.codes, q.bits, q.numel, q.shape[-1]).view(*rows, *q.shape)
     return reconstruct(codes, q.scale, q.minimum, 0.5 if q.center else 0.0, dtype)
 
 
@@ -161,7 +161,7 @@ def quest_quantize(x: torch.Tensor, bits: int, dim: int = -1) -> SymmetricTensor
 
 def quest_dequantize(q: SymmetricTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     rows = q.codes.shape[:-1]
-    codes = unpack(q.codes, q.bits, q.numel).view(*rows, *q.shape).to(dtype)
+    codes = unpack(q.codes, q.bits, q.numel, q.shape[-1]).view(*rows, *q.shape).to(dtype)
     return (codes - 2 ** (q.bits - 1) + 0.5) * q.step.to(dtype)
 
 

@@ -46,7 +46,7 @@ class ModelSpec:
 class Plane:
     """Codes of some channels at one width, for every token of every block (fast paths)."""
 
-    codes: torch.Tensor  # [n, bytes]: per block, codes [H, G, C] packed at ``bits``
+    codes: torch.Tensor  # [n, bytes]: per block, codes [H, C, G] (a row per channel)
     bits: int
     index: torch.Tensor  # [H, C] int64: the channel of each code column
     mult: torch.Tensor  # [H, C] float32: the weight of a code (2^shift for a top-bits plane)
@@ -67,7 +67,7 @@ class TokenGroups:
     """Per-token groups of ``group`` channels read by a fast path: x̂ = min + scale·code, or
     symmetric levels (code − 2^(b−1) + ½)·scale when ``minimum`` is None."""
 
-    codes: torch.Tensor  # [n, bytes]: per block, codes [H, G, D] packed at ``bits``
+    codes: torch.Tensor  # [n, bytes]: per block, codes [H, G, D/group, group] (rows of group)
     bits: int
     group: int
     scale: torch.Tensor  # [n, H, G, D/group] float16
@@ -245,12 +245,13 @@ def token_groups(stored: QuantizedTensor, group: int, symmetric: bool = False) -
 
 
 def channel_keys(stored: QuantizedTensor) -> ChannelKeys:
-    """One sequence's per-channel keys of one width (rows [1, n]) as a fast path reads them."""
-    scale = stored.scale[0].squeeze(-2)  # [n, H, D]
+    """One sequence's per-channel keys of one width (rows [1, n], codes [H, D, G] per block)
+    as a fast path reads them."""
+    scale = stored.scale[0].squeeze(-1)  # [n, H, D]
     heads, dim = scale.shape[1:]
     index, ones, zeros = every_channel(heads, dim, scale.device)
     plane = Plane(stored.codes[0], stored.bits, index, ones)
-    return ChannelKeys([plane], scale, stored.minimum[0].squeeze(-2), zeros)
+    return ChannelKeys([plane], scale, stored.minimum[0].squeeze(-1), zeros)
 
 
 @functools.cache

@@ -129,7 +129,7 @@ class ChanMix(PerTokenValues):
     def class_index(self, selection: ChannelClasses, batch: int) -> list[torch.Tensor]:
         """Per class, its channels' indices: [B, H, count_c] (sorted)."""
         heads, dim = self.spec.n_kv_heads, self.spec.head_dim
-        classes = unpack(selection.ids, 2, heads * dim).view(batch, heads, dim)
+        classes = unpack(selection.ids, 2, heads * dim, dim).view(batch, heads, dim)
         return [(classes == c).nonzero()[:, -1].view(batch, heads, n)
                 for c, n in enumerate(self.counts(dim))]
 
@@ -143,7 +143,7 @@ class ChanMix(PerTokenValues):
                                strict=True):
             part = keys.gather(-1, _expand(index, keys.shape[-2]))  # [B, H, G, n]
             c, s, m = quantize_codes(part, bits, -2)
-            codes.append(pack(c, bits))
+            codes.append(pack(c.transpose(-1, -2), bits))  # rows: a channel's tokens
             scale.scatter_(-1, index.unsqueeze(-2), s)
             minimum.scatter_(-1, index.unsqueeze(-2), m)
         stored = ClassKeys(tuple(codes), scale, minimum)
@@ -168,7 +168,8 @@ class ChanMix(PerTokenValues):
         for packed, index, bits in zip(stored.codes, self.class_index(selection, rows[0]),
                                        CLASS_BITS, strict=True):
             n = index.shape[-1]
-            codes = unpack(packed, bits, heads * group * n).view(*rows, heads, group, n)
+            codes = unpack(packed, bits, heads * group * n, group)
+            codes = codes.view(*rows, heads, n, group).transpose(-1, -2)  # [*rows, H, G, n]
             where = _expand(index[:, None], group).expand(*rows, heads, group, n)
             scale = stored.scale.gather(-1, where[..., :1, :])
             minimum = stored.minimum.gather(-1, where[..., :1, :])

@@ -157,7 +157,7 @@ class KxVy(Method):
         if self.backend != "native":
             return (quantize_rows(key_rows(keys), key_bits, self.backend),
                     quantize_rows(value_rows(values, self.value_group), value_bits, self.backend))
-        k = quantize(keys, key_bits, dim=-2)
+        k = quantize(keys.transpose(-1, -2), key_bits, dim=-1)  # rows: a channel's tokens
         return k, quantize_per_token(values, value_bits, self.value_group)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
@@ -165,7 +165,7 @@ class KxVy(Method):
         if self.backend != "native":
             keys, values = _decode_rows(blocks, self.spec, dtype)
         else:
-            keys = dequantize(blocks.keys, dtype)  # [B, n, H, G, D]
+            keys = dequantize(blocks.keys, dtype).transpose(-1, -2)  # [B, n, H, G, D]
             values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         return keys, values
 

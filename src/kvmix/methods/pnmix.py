@@ -62,8 +62,8 @@ INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)
 class MixedKeys:
     """One block of PN-Mix keys (rows: [B] or [B, n_blocks])."""
 
-    low: torch.Tensor = field(metadata={"kind": "codes"})  # low_bits plane, all channels
-    high: torch.Tensor = field(metadata={"kind": "codes"})  # refinement plane, high channels
+    low: torch.Tensor = field(metadata={"kind": "codes"})  # low_bits plane [H, D, G], all channels
+    high: torch.Tensor = field(metadata={"kind": "codes"})  # refinement plane [H, k, G]
     scale: torch.Tensor = field(metadata={"kind": "scales"})  # [*rows, H, 1, D] float16
     minimum: torch.Tensor = field(metadata={"kind": "zeros"})  # [*rows, H, 1, D] float16
     # online selection only: each block's high channels, [*rows, H, k] uint8
@@ -198,7 +198,8 @@ class PNMix(PerTokenValues):
             chosen = top_mask(score, self.high_channels(dim) // 2)
             chosen = pair_to_channels(chosen, self.spec.pairs)
         else:
-            chosen = unpack(selection.bits, 1, heads * selection.units).view(batch, heads, -1)
+            chosen = unpack(selection.bits, 1, heads * selection.units, selection.units)
+            chosen = chosen.view(batch, heads, -1)
             if selection.units < dim:
                 chosen = pair_to_channels(chosen.bool(), self.spec.pairs)
         return chosen.bool().nonzero()[:, -1].view(batch, heads, self.high_channels(dim))
@@ -215,7 +216,9 @@ class PNMix(PerTokenValues):
         shift = self.high_bits - self.low_bits
         low_plane = torch.where(high, high_codes >> shift, low_codes)
         refine = (high_codes & (2**shift - 1)).gather(-1, _expand(index, keys.shape[-2]))
-        stored = MixedKeys(pack(low_plane, self.low_bits), pack(refine, shift),
+        # rows are a channel's tokens: [B, H, D, G] and [B, H, k, G]
+        stored = MixedKeys(pack(low_plane.transpose(-1, -2), self.low_bits),
+                           pack(refine.transpose(-1, -2), shift),
                            torch.where(high, high_scale, low_scale), minimum,
                            index.to(torch.uint8) if self.selection == "online" else None)
         return stored, self.encode_values(values)
@@ -247,8 +250,10 @@ class PNMix(PerTokenValues):
             index = self.high_index(selection, rows[0])[:, None]  # [B, 1, H, k]
         count = index.shape[-1]
         shift = self.high_bits - self.low_bits
-        codes = unpack(k.low, self.low_bits, heads * group * dim).view(*rows, heads, group, dim)
-        refine = unpack(k.high, shift, heads * group * count).view(*rows, heads, group, count)
+        codes = unpack(k.low, self.low_bits, heads * group * dim, group)
+        codes = codes.view(*rows, heads, dim, group).transpose(-1, -2)  # [*rows, H, G, D]
+        refine = unpack(k.high, shift, heads * group * count, group)
+        refine = refine.view(*rows, heads, count, group).transpose(-1, -2)  # [*rows, H, G, k]
         where = _expand(index, group).expand(*rows, heads, group, count)
         codes = codes.scatter(-1, where, (codes.gather(-1, where) << shift) | refine)  # uint8
         high = _channel_mask(index, dim)  # [B, n|1, H, 1, D]

@@ -17,6 +17,7 @@ from transformers.cache_utils import (
 
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
+from kvmix.runtime.kernels import cpu
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
@@ -55,6 +56,10 @@ class KVMixCache(Cache):
         if backend not in ("torch", "cpu"):
             raise ValueError(f"backend={backend!r} is invalid here; valid: torch, cpu "
                              "(kvmix.make_cache also takes auto)")
+        if backend == "cpu":
+            ok, cause = cpu.available()
+            if not ok:
+                raise ValueError(f"backend='cpu' is unavailable: {cause}")
         self.backend = backend
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)

@@ -195,9 +195,7 @@ class KVMixLayer(CacheLayerMixin):
                     values: torch.Tensor, scaling: float) -> torch.Tensor:
         """The fused op for a few new queries over a history it can read, else the reference."""
         if self.backend == "cpu" and len(row) and query.shape[-2] <= cpu.MAX_QUERIES:
-            view = None
-            if row.blocks is not None:
-                view = self.method.kernel_view(row.blocks, self.layer_idx, row.selection)
+            view = None if row.blocks is None else cpu.view_of(row, self.layer_idx)
             if view is not None or row.blocks is None:
                 return cpu.attend(row, view, query, keys, values, scaling)
         return reference.attend(row, query, keys, values, scaling)

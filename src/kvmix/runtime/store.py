@@ -44,9 +44,10 @@ class RowStore:
         """New real tokens after their attention: keys, values [1, H, q, D] (keys in the cache's
         key space), queries [1, Hq, q, D]. Selects at the first call, then fills the sink and
         flushes full groups."""
-        if self.res_keys is None:
-            self.sink_keys, self.sink_values = keys[..., :0, :], values[..., :0, :]
-            self.res_keys, self.res_values = self.sink_keys, self.sink_values
+        if self.res_keys is None:  # fresh empties: a zero-length view would pin the prompt
+            self.sink_keys = self.res_keys = keys.new_empty(*keys.shape[:-2], 0, keys.shape[-1])
+            self.sink_values = self.res_values = values.new_empty(*values.shape[:-2], 0,
+                                                                  values.shape[-1])
         self.res_keys = torch.cat([self.res_keys, keys], dim=-2)
         self.res_values = torch.cat([self.res_values, values], dim=-2)
         self._select(queries, keys)
@@ -55,8 +56,8 @@ class RowStore:
         while self.res_keys.shape[-2] >= self.method.residual:
             fresh.append(self._encode_oldest())
         if fresh:
-            self._append(fresh)
-        self._own()
+            self._append(fresh)  # a concatenation: the blocks own their storage
+        self._own_segments()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -97,7 +98,8 @@ class RowStore:
         n = len(lengths)
         self.blocks = map_tensors(self.blocks, lambda t: t[:, :n]) if n else None
         self.res_keys, self.res_values = _head(self.res_keys, self.res_values, left)
-        self._own()
+        self.blocks = map_tensors(self.blocks, owned)
+        self._own_segments()
 
     def copy(self, fn=lambda t: t.clone()) -> RowStore:
         """A store holding ``fn`` of every tensor (a deep copy by default; ``fn`` may move)."""
@@ -158,13 +160,18 @@ class RowStore:
         self.res_keys, self.res_values = self.res_keys[..., n:, :], self.res_values[..., n:, :]
         return popped
 
-    def _own(self) -> None:
-        """Give every kept tensor its own storage (slices would pin what they were cut from)."""
-        for name in ("sink_keys", "sink_values", "res_keys", "res_values", "blocks"):
-            setattr(self, name, map_tensors(getattr(self, name), owned))
+    def _own_segments(self) -> None:
+        """Give sink and residual their own storage (slices would pin what they were cut from:
+        the prompt, or the tokens just flushed)."""
+        self.sink_keys, self.sink_values = owned(self.sink_keys), owned(self.sink_values)
+        self.res_keys, self.res_values = owned(self.res_keys), owned(self.res_values)
 
 
 def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
+    """An error naming the layer if any key or value is inf or NaN. One fused test per call
+    (a sum is non-finite when any element is, or on overflow, then checked precisely)."""
+    if torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32)):
+        return
     for name, x in (("keys", keys), ("values", values)):
         if not torch.isfinite(x).all():
             raise ValueError(f"non-finite {name} in layer {layer}: kvmix keeps finite values "

@@ -4,8 +4,9 @@ torch op ``torch.ops.kvmix.decode``.
 
 ``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries: the same
 inputs, the same output, without building a float history. Flags: ``-O3 -march=native`` (the
-cache key holds the CPU) and ``-fopenmp-simd`` for vector reductions; never ``-ffast-math``
-(masked scores are -inf). Threads come from torch's own pool (``at::parallel_for``).
+cache key holds the CPU); never ``-ffast-math`` (masked scores are -inf). Threads come from
+torch's own pool: ``at::parallel_for`` is inline OpenMP in torch's build, so the op is built
+with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy torch ships and has loaded.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import platform
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -24,8 +26,9 @@ from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.store import RowStore
 
 SOURCE = Path(__file__).with_name("decode.cpp")
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++20", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
+_VIEWS: dict[tuple[int, int], KernelView | None] = {}
 
 
 class KernelUnavailable(RuntimeError):
@@ -51,6 +54,16 @@ def available() -> tuple[bool, str]:
     except KernelUnavailable as error:
         return False, str(error)
     return True, ""
+
+
+def view_of(row: RowStore, layer: int) -> KernelView | None:
+    """The method's kernel view of the row's blocks, made once per blocks object (a flush or an
+    edit makes a new one) and kept outside the cache, so ``nbytes`` is untouched."""
+    key = (id(row.blocks), id(row.selection))
+    if key not in _VIEWS:
+        _VIEWS[key] = row.method.kernel_view(row.blocks, layer, row.selection)
+        weakref.finalize(row.blocks, _VIEWS.pop, key, None)
+    return _VIEWS[key]
 
 
 def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,

@@ -4,23 +4,32 @@
 // blocks of the `full` method) and packed blocks whose codes are never turned into a float
 // history. Packed keys come in two layouts:
 //   * per-channel groups (KIVI, PN-Mix, Kitty, ChanMix): one (scale, min) per channel and block,
-//     codes in "planes" (a plane is a set of channels at one width; mixed precision is several
-//     planes). q·k = Σ_planes Σ_i (q[c_i]·s[c_i]·mult_i)·code_i + Σ_c q[c]·(m[c] + s[c]·off[c]),
-//     so the query is pre-scaled once per block and the codes enter a plain dot product;
+//     codes channel-major in "planes" (a plane is a set of channels at one width; mixed
+//     precision is several planes). q·k = Σ_planes Σ_i (q[c_i]·s[c_i]·mult_i)·code_i[t]
+//     + Σ_c q[c]·(m[c] + s[c]·off[c]): the query is pre-scaled once per block and each channel's
+//     row of token codes is one broadcast multiply-add into the block's scores;
 //   * per-token groups (WUSH): q·k = Σ_j s[t,j]·(q_j·code_j) + m[t,j]·Σ q_j.
 // Values are per-token groups: out = Σ_t p_t·s[t,j]·code + Σ_t p_t·m[t,j].
-// Codes use kvmix's packing (low bits first; 3 bits = a 2-bit plane then a 1-bit plane).
-// Work is split over (KV head, range of blocks) with an online softmax per task and a
-// log-sum-exp merge; the query heads of a GQA group share every row they read.
-// Built without -ffast-math: masked scores are -inf and must stay so.
+// Codes use kvmix's packing: every row (a key channel's tokens in a block, or a token's group of
+// value channels) fills whole bytes; byte w of a W-byte row holds codes w, w+W, ... at shifts
+// 0, b, ..., so shifting the row by i·b and masking gives codes [i·W, (i+1)·W) in order; 3 bits
+// are the row's 2-bit plane followed by its 1-bit plane.
+// Query rows (GQA heads × new tokens) are processed RB at a time with their accumulators in
+// registers; row lengths and widths are compile-time constants for the common sizes. Work is
+// split over (KV head, range of blocks) with an online softmax per task and a log-sum-exp
+// merge. Built without -ffast-math: masked scores are -inf and must stay so.
 
 #include <ATen/Parallel.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,59 +39,222 @@
 namespace {
 
 using at::Tensor;
+constexpr int RB = 4;  // query rows computed together
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
-struct Tables {
-  uint64_t one[256];
-  uint32_t two[256];
-  uint16_t four[256];
-  Tables() {
-    for (int v = 0; v < 256; ++v) {
-      one[v] = 0;
-      two[v] = 0;
-      four[v] = 0;
-      for (int j = 0; j < 8; ++j) one[v] |= uint64_t((v >> j) & 1) << (8 * j);
-      for (int j = 0; j < 4; ++j) two[v] |= uint32_t((v >> (2 * j)) & 3) << (8 * j);
-      for (int j = 0; j < 2; ++j) four[v] |= uint16_t((v >> (4 * j)) & 15) << (8 * j);
+int64_t row_bytes(int64_t n, int bits) { return bits == 3 ? n / 4 + n / 8 : n * bits / 8; }
+
+// ---- packed rows -> floats, CH codes at a time ------------------------------------------------
+
+constexpr int CH = 16;  // codes per chunk: two 8-float vectors
+
+// Codes [k·CH, (k+1)·CH) of a packed row of N codes -> CH floats. Code t of a row sits in byte
+// t mod W at shift (t div W)·BITS (W = the row's bytes), so a chunk is one run of bytes and one
+// shift when W >= CH, and W-byte runs at successive shifts otherwise.
+template <int N, int BITS>
+inline void chunk_to_float(const uint8_t* row, int k, float* out) {
+  static_assert(N >= CH && N % CH == 0, "rows of a multiple of 16 codes");
+  if constexpr (BITS == 8) {
+    for (int i = 0; i < CH; ++i) out[i] = float(row[k * CH + i]);
+  } else if constexpr (BITS == 3) {
+    chunk_to_float<N, 2>(row, k, out);
+    float top[CH];
+    chunk_to_float<N, 1>(row + N / 4, k, top);
+    for (int i = 0; i < CH; ++i) out[i] += 4.f * top[i];
+  } else {
+    constexpr int W = N * BITS / 8, MASK = (1 << BITS) - 1;
+    const int t0 = k * CH;
+    if constexpr (W >= CH) {
+      const uint8_t* src = row + t0 % W;
+      const int shift = (t0 / W) * BITS;
+      int32_t wide[CH];
+      for (int i = 0; i < CH; ++i) wide[i] = src[i];
+      for (int i = 0; i < CH; ++i) out[i] = float((wide[i] >> shift) & MASK);
+    } else {
+      int32_t wide[W];
+      for (int w = 0; w < W; ++w) wide[w] = row[w];
+      for (int s = 0; s < CH / W; ++s) {
+        const int shift = (t0 / W + s) * BITS;
+        for (int w = 0; w < W; ++w) out[s * W + w] = float((wide[w] >> shift) & MASK);
+      }
+    }
+  }
+}
+
+void row_to_float_any(const uint8_t* in, int bits, int64_t n, float* out) {
+  if (bits == 3) {
+    row_to_float_any(in, 2, n, out);
+    const int64_t W = n / 8;
+    for (int i = 0; i < 8; ++i)
+      for (int64_t w = 0; w < W; ++w) out[i * W + w] += float(((in[n / 4 + w] >> i) & 1) << 2);
+    return;
+  }
+  const int per = 8 / bits, mask = (1 << bits) - 1;
+  const int64_t W = n / per;
+  for (int i = 0; i < per; ++i)
+    for (int64_t w = 0; w < W; ++w) out[i * W + w] = float((in[w] >> (i * bits)) & mask);
+}
+
+// ---- block kernels for RB query rows (accumulators: RB x CH floats, kept in registers) -------
+
+// scores[r][t] += Σ_i w[r][i]·code_i[t] over the C channel rows of one plane (rows `stride`
+// bytes apart), for the block's G tokens; w [RB, C], scores [RB, G].
+template <int G, int BITS>
+void plane_scores(const uint8_t* rows, int64_t stride, int64_t C, const float* w, float* scores) {
+  for (int k = 0; k < G / CH; ++k) {
+    float acc[RB][CH] = {};
+    float codes[CH];
+    for (int64_t i = 0; i < C; ++i) {
+      chunk_to_float<G, BITS>(rows + i * stride, k, codes);
+      for (int r = 0; r < RB; ++r) {
+        const float weight = w[r * C + i];
+        for (int t = 0; t < CH; ++t) acc[r][t] += weight * codes[t];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int t = 0; t < CH; ++t) scores[r * G + k * CH + t] += acc[r][t];
+  }
+}
+
+void plane_scores_any(const uint8_t* rows, int64_t stride, int64_t C, const float* w,
+                      float* scores, int bits, int64_t G, float* codes) {
+  for (int64_t i = 0; i < C; ++i) {
+    row_to_float_any(rows + i * stride, bits, G, codes);
+    for (int r = 0; r < RB; ++r)
+      for (int64_t t = 0; t < G; ++t) scores[r * G + t] += w[r * C + i] * codes[t];
+  }
+}
+
+// out[r][c] += Σ_t w[r][t]·code_t[c] over one group of GS channels of the block's T tokens
+// (token t's row at (t·J + j)·stride); w [RB, T], out [RB, GS].
+template <int GS, int BITS>
+void group_values(const uint8_t* rows, int64_t stride, int64_t J, int64_t j, int64_t T,
+                  const float* w, float* out) {
+  for (int k = 0; k < GS / CH; ++k) {
+    float acc[RB][CH] = {};
+    float codes[CH];
+    for (int64_t t = 0; t < T; ++t) {
+      chunk_to_float<GS, BITS>(rows + (t * J + j) * stride, k, codes);
+      for (int r = 0; r < RB; ++r) {
+        const float weight = w[r * T + t];
+        for (int c = 0; c < CH; ++c) acc[r][c] += weight * codes[c];
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CH; ++c) out[r * GS + k * CH + c] += acc[r][c];
+  }
+}
+
+void group_values_any(const uint8_t* rows, int64_t stride, int64_t J, int64_t j, int64_t T,
+                      const float* w, float* out, int bits, int64_t GS, float* codes) {
+  for (int64_t t = 0; t < T; ++t) {
+    row_to_float_any(rows + (t * J + j) * stride, bits, GS, codes);
+    for (int r = 0; r < RB; ++r)
+      for (int64_t c = 0; c < GS; ++c) out[r * GS + c] += w[r * T + t] * codes[c];
+  }
+}
+
+// dots[r][t] = q[r]·code_t over one group of GS channels; q [RB, GS], dots [RB, T].
+template <int GS, int BITS>
+void group_dots(const uint8_t* rows, int64_t stride, int64_t J, int64_t j, int64_t T,
+                const float* q, float* dots) {
+  for (int64_t t = 0; t < T; ++t) {
+    float part[RB][CH] = {};
+    float codes[CH];
+    for (int k = 0; k < GS / CH; ++k) {
+      chunk_to_float<GS, BITS>(rows + (t * J + j) * stride, k, codes);
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < CH; ++c) part[r][c] += q[r * GS + k * CH + c] * codes[c];
+    }
+    for (int r = 0; r < RB; ++r) {
+      float s = 0.f;
+      for (int c = 0; c < CH; ++c) s += part[r][c];
+      dots[r * T + t] = s;
+    }
+  }
+}
+
+void group_dots_any(const uint8_t* rows, int64_t stride, int64_t J, int64_t j, int64_t T,
+                    const float* q, float* dots, int bits, int64_t GS, float* codes) {
+  for (int64_t t = 0; t < T; ++t) {
+    row_to_float_any(rows + (t * J + j) * stride, bits, GS, codes);
+    for (int r = 0; r < RB; ++r) {
+      float s = 0.f;
+      for (int64_t c = 0; c < GS; ++c) s += q[r * GS + c] * codes[c];
+      dots[r * T + t] = s;
+    }
+  }
+}
+
+using PlaneFn = void (*)(const uint8_t*, int64_t, int64_t, const float*, float*);
+using ValuesFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+                          float*);
+using DotsFn = ValuesFn;
+
+template <int N>
+struct Sized {
+  static PlaneFn plane(int bits) {
+    switch (bits) {
+      case 1: return plane_scores<N, 1>;
+      case 2: return plane_scores<N, 2>;
+      case 3: return plane_scores<N, 3>;
+      case 4: return plane_scores<N, 4>;
+      default: return plane_scores<N, 8>;
+    }
+  }
+  static ValuesFn values(int bits) {
+    switch (bits) {
+      case 1: return group_values<N, 1>;
+      case 2: return group_values<N, 2>;
+      case 3: return group_values<N, 3>;
+      case 4: return group_values<N, 4>;
+      default: return group_values<N, 8>;
+    }
+  }
+  static DotsFn dots(int bits) {
+    switch (bits) {
+      case 1: return group_dots<N, 1>;
+      case 2: return group_dots<N, 2>;
+      case 3: return group_dots<N, 3>;
+      case 4: return group_dots<N, 4>;
+      default: return group_dots<N, 8>;
     }
   }
 };
 
-const Tables& tables() {
-  static const Tables t;
-  return t;
-}
-
-// `count` codes of width 1, 2, 4 or 8 starting at byte `data` -> one uint8 each.
-void unpack_plane(const uint8_t* data, int bits, int64_t count, uint8_t* out) {
-  const Tables& t = tables();
-  const int64_t per = 8 / bits, bytes = count / per;
-  switch (bits) {
-    case 1:
-      for (int64_t i = 0; i < bytes; ++i) std::memcpy(out + 8 * i, &t.one[data[i]], 8);
-      break;
-    case 2:
-      for (int64_t i = 0; i < bytes; ++i) std::memcpy(out + 4 * i, &t.two[data[i]], 4);
-      break;
-    case 4:
-      for (int64_t i = 0; i < bytes; ++i) std::memcpy(out + 2 * i, &t.four[data[i]], 2);
-      break;
-    default:
-      std::memcpy(out, data, count);
+// The kernels specialised for rows of 16, 32, 64 or 128 codes; other lengths get null and the
+// generic loops.
+PlaneFn plane_for(int64_t n, int bits) {
+  switch (n) {
+    case 16: return Sized<16>::plane(bits);
+    case 32: return Sized<32>::plane(bits);
+    case 64: return Sized<64>::plane(bits);
+    case 128: return Sized<128>::plane(bits);
+    default: return nullptr;
   }
 }
 
-// Codes [offset, offset + count) of a stream of `total` codes at `bits` (3 = 2-bit plane then
-// 1-bit plane); offset and count keep every plane byte-aligned (checked by the caller).
-void unpack(const uint8_t* stream, int bits, int64_t total, int64_t offset, int64_t count,
-            uint8_t* out, uint8_t* scratch) {
-  if (bits != 3) {
-    unpack_plane(stream + offset * bits / 8, bits, count, out);
-    return;
+ValuesFn values_for(int64_t n, int bits) {
+  switch (n) {
+    case 16: return Sized<16>::values(bits);
+    case 32: return Sized<32>::values(bits);
+    case 64: return Sized<64>::values(bits);
+    case 128: return Sized<128>::values(bits);
+    default: return nullptr;
   }
-  unpack_plane(stream + offset / 4, 2, count, out);
-  unpack_plane(stream + total / 4 + offset / 8, 1, count, scratch);
-  for (int64_t i = 0; i < count; ++i) out[i] |= uint8_t(scratch[i] << 2);
 }
+
+DotsFn dots_for(int64_t n, int bits) {
+  switch (n) {
+    case 16: return Sized<16>::dots(bits);
+    case 32: return Sized<32>::dots(bits);
+    case 64: return Sized<64>::dots(bits);
+    case 128: return Sized<128>::dots(bits);
+    default: return nullptr;
+  }
+}
+
+// ---- small vector helpers ---------------------------------------------------------------------
 
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -91,14 +263,57 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-void to_float(const uint8_t* codes, int64_t n, float* out) {
-  for (int64_t i = 0; i < n; ++i) out[i] = float(codes[i]);
+// exp(x) = 2^k·p(f) with a degree-7 polynomial on |f| <= ln2/2 (relative error about 1e-7);
+// x < -87 (including -inf, a masked score) gives 0.
+inline float exp_one(float x) {
+  const float v = std::min(std::max(x, -87.f), 88.f);
+  const float k = std::floor(v * 1.44269504088896341f + 0.5f);
+  const float f = v - k * 0.69314718055994531f;
+  float p = 1.f / 5040.f;
+  for (float c : {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f}) p = p * f + c;
+  return x < -87.f ? 0.f : p * std::bit_cast<float>((int32_t(k) + 127) << 23);
+}
+
+// x <- exp(x) over n values: 8 at a time with AVX2 (std::exp would be one call per score).
+void exp_inplace(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+  const __m256 ln2 = _mm256_set1_ps(0.69314718055994531f);
+  const float coefficients[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+  for (; i + 8 <= n; i += 8) {
+    const __m256 in = _mm256_loadu_ps(x + i);
+    const __m256 v = _mm256_min_ps(_mm256_max_ps(in, lo), hi);
+    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
+    const __m256 f = _mm256_fnmadd_ps(k, ln2, v);
+    __m256 p = _mm256_set1_ps(1.f / 5040.f);
+    for (float c : coefficients) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    const __m256 out = _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+    _mm256_storeu_ps(x + i, _mm256_and_ps(out, _mm256_cmp_ps(in, lo, _CMP_GE_OQ)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = exp_one(x[i]);
 }
 
 float half(const at::Half* p, int64_t i) { return float(p[i]); }
 
-// One segment of float keys/values: [n, H, t, D].
-struct FloatSegment {
+// n float16 values -> floats (F16C, 8 at a time, where the CPU has it).
+void halves(const at::Half* in, int64_t n, float* out) {
+  int64_t i = 0;
+#ifdef __F16C__
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(
+                                  reinterpret_cast<const __m128i*>(in + i))));
+#endif
+  for (; i < n; ++i) out[i] = float(in[i]);
+}
+
+// ---- the problem -------------------------------------------------------------------------------
+
+struct FloatSegment {  // float keys/values [n, H, t, D]
   const float* keys;
   const float* values;
   int64_t blocks, tokens;
@@ -106,46 +321,47 @@ struct FloatSegment {
 };
 
 struct Plane {
-  const uint8_t* codes;  // [n, bytes per block]
+  const uint8_t* codes;  // [n, bytes per block]: codes [H, C, G]
   int64_t block_bytes, channels;
   int bits;
-  const int64_t* index;  // [H, channels]
-  const float* mult;     // [H, channels]
+  const int64_t* index;  // [H, C]
+  const float* mult;     // [H, C]
+  PlaneFn kernel;
 };
 
-struct Stats {  // per-token (scale, min) [n, H, G, J] float16; min null = symmetric levels
+struct Stats {  // per-token groups: codes [n, H, G, J, group], (scale, min) [n, H, G, J]
+  const uint8_t* codes = nullptr;
+  int64_t block_bytes = 0;
   const at::Half* scale = nullptr;
-  const at::Half* minimum = nullptr;
-  int bits = 0, group = 0;
+  const at::Half* minimum = nullptr;  // null: symmetric levels (code - 2^(b-1) + 1/2)·scale
+  int bits = 0;
+  int64_t group = 0;
 };
 
 struct Packed {
   int64_t blocks = 0, group = 0;
   const int64_t* lengths = nullptr;  // tokens held per block
-  int key_mode = 0;                  // 0 none, 1 channel planes, 2 per-token
+  int key_mode = 0;                  // 1 channel planes, 2 per-token groups
   std::vector<Plane> planes;
   const at::Half* key_scale = nullptr;  // mode 1: [n, H, D]
   const at::Half* key_min = nullptr;
   const float* key_offset = nullptr;  // [H, D]
-  const uint8_t* key_codes = nullptr;  // mode 2: [n, bytes]
-  int64_t key_bytes = 0;
-  Stats key_stats;
-  const uint8_t* value_codes = nullptr;  // [n, bytes]
-  int64_t value_bytes = 0;
-  Stats value_stats;
+  Stats keys, values;
+  DotsFn key_dots = nullptr;
+  ValuesFn value_kernel = nullptr;
 };
 
 struct Problem {
-  int64_t heads, kv_heads, group_size, queries, dim, rows;  // rows = group_size * queries
-  const float* query;  // [Hq, q, D]
-  float scale;         // the attention scale, folded into the query
+  int64_t heads, kv_heads, group_size, queries, dim, rows;  // rows = group_size · queries
+  int64_t padded;                                           // rows rounded up to RB
+  const float* query;                                       // [Hq, q, D]
+  float scale;                                              // folded into the query
   std::vector<FloatSegment> segments;
   Packed packed;
 };
 
-// One unit of work: a block of a float segment, or a packed block.
-struct Unit {
-  int segment;  // -1 = packed
+struct Unit {  // a block of a float segment (segment >= 0) or a packed block (-1)
+  int segment;
   int64_t block;
 };
 
@@ -153,217 +369,288 @@ struct Partial {  // online-softmax state of one task: per row max, sum, acc[D]
   std::vector<float> max, sum, acc;
 };
 
+// ---- one task: one KV head over a range of units, softmax over the whole range ---------------
+
 class Task {
  public:
-  Task(const Problem& p, int64_t head) : p_(p), h_(head) {
-    const int64_t R = p.rows, D = p.dim, G = std::max<int64_t>(p.packed.group, 1);
-    q_.resize(R * D);
+  Task(const Problem& p, int64_t head, const Unit* units, int64_t count)
+      : p_(p), h_(head), units_(units, units + count) {
+    const int64_t P = p.padded, D = p.dim, G = std::max<int64_t>(p.packed.group, 1);
+    q_.assign(P * D, 0.f);  // rows beyond p.rows stay zero
     for (int64_t g = 0; g < p.group_size; ++g)
       for (int64_t i = 0; i < p.queries; ++i) {
         const float* src = p.query + ((h_ * p.group_size + g) * p.queries + i) * D;
         float* dst = &q_[(g * p.queries + i) * D];
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
       }
-    codes_.resize(G * D * 2);
-    scratch_.resize(G * D * 2);
-    row_.resize(D);
-    scores_.resize(R * std::max<int64_t>(G, max_segment_tokens()));
-    state_.max.assign(R, -std::numeric_limits<float>::infinity());
-    state_.sum.assign(R, 0.f);
-    state_.acc.assign(R * D, 0.f);
+    for (const Plane& plane : p.packed.planes) {  // each plane's channels of every query row
+      const int64_t C = plane.channels;
+      const int64_t* index = plane.index + h_ * C;
+      std::vector<float> gathered(P * C);
+      for (int64_t r = 0; r < P; ++r)
+        for (int64_t i = 0; i < C; ++i) gathered[r * C + i] = q_[r * D + index[i]];
+      plane_queries_.push_back(std::move(gathered));
+    }
+    for (const Unit& u : units_) {
+      offsets_.push_back(total_);
+      total_ += tokens(u);
+    }
+    work_.resize(P * std::max(G, D));
+    floats_.resize(std::max(G, D));
   }
 
-  void run(const Unit& unit) {
-    if (unit.segment >= 0)
-      float_unit(p_.segments[unit.segment], unit.block);
-    else
-      packed_unit(unit.block);
+  // Scores of every unit, one softmax over them all, then the weighted values.
+  Partial run() {
+    const int64_t R = p_.rows, P = p_.padded, D = p_.dim, L = total_;
+    scores_.assign(P * std::max<int64_t>(L, 1), 0.f);
+    for (size_t u = 0; u < units_.size(); ++u) scores(units_[u], &scores_[offsets_[u]]);
+    Partial state{std::vector<float>(R, NEG_INF), std::vector<float>(R, 0.f),
+                  std::vector<float>(R * D, 0.f)};
+    for (int64_t r = 0; r < R; ++r) {
+      float* s = &scores_[r * L];
+      float m = NEG_INF;
+#pragma omp simd reduction(max : m)
+      for (int64_t t = 0; t < L; ++t) m = m > s[t] ? m : s[t];
+      state.max[r] = m;
+      if (m == NEG_INF) {
+        std::fill(s, s + L, 0.f);
+        continue;
+      }
+#pragma omp simd
+      for (int64_t t = 0; t < L; ++t) s[t] -= m;
+      exp_inplace(s, L);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t t = 0; t < L; ++t) total += s[t];
+      state.sum[r] = total;
+    }
+    std::fill(scores_.begin() + R * L, scores_.end(), 0.f);  // padding rows weigh nothing
+    for (size_t u = 0; u < units_.size(); ++u)
+      values(units_[u], &scores_[offsets_[u]], state.acc.data());
+    return state;
   }
-
-  Partial& state() { return state_; }
 
  private:
-  int64_t max_segment_tokens() const {
-    int64_t m = 0;
-    for (const auto& s : p_.segments) m = std::max(m, s.tokens);
-    return m;
+  int64_t tokens(const Unit& u) const {
+    return u.segment >= 0 ? p_.segments[u.segment].tokens : p_.packed.lengths[u.block];
   }
 
   const float* qrow(int64_t r) const { return &q_[r * p_.dim]; }
 
-  // Fold scores [R, T] into the running state; values(r, t, weight) adds weight·v_t to acc.
-  template <typename AddValues>
-  void absorb(int64_t T, AddValues add_values) {
-    const int64_t R = p_.rows, D = p_.dim;
-    for (int64_t r = 0; r < R; ++r) {
-      float* s = &scores_[r * T];
-      float m = state_.max[r];
-      for (int64_t t = 0; t < T; ++t) m = std::max(m, s[t]);
-      if (m == -std::numeric_limits<float>::infinity()) continue;  // nothing visible yet
-      const float rescale = std::exp(state_.max[r] - m);
-      float* acc = &state_.acc[r * D];
-      if (rescale != 1.f) {
-        for (int64_t d = 0; d < D; ++d) acc[d] *= rescale;
-      }
-      float total = state_.sum[r] * rescale;
-      for (int64_t t = 0; t < T; ++t) {
-        s[t] = std::exp(s[t] - m);
-        total += s[t];
-      }
-      state_.max[r] = m;
-      state_.sum[r] = total;
-    }
-    add_values(T);
+  void scores(const Unit& u, float* out) {
+    if (u.segment >= 0)
+      float_scores(p_.segments[u.segment], u.block, out);
+    else if (p_.packed.key_mode == 1)
+      channel_scores(u.block, out);
+    else
+      token_scores(u.block, out);
   }
 
-  void float_unit(const FloatSegment& seg, int64_t block) {
-    const int64_t R = p_.rows, D = p_.dim, T = seg.tokens;
-    const int64_t base = (block * p_.kv_heads + h_) * T * D;
-    const float* keys = seg.keys + base;
-    const float* values = seg.values + base;
-    for (int64_t r = 0; r < R; ++r) {
+  void values(const Unit& u, const float* weights, float* acc) {
+    if (u.segment >= 0)
+      float_values(p_.segments[u.segment], u.block, weights, acc);
+    else
+      packed_values(u.block, weights, acc);
+  }
+
+  // ---- float segments ----
+
+  void float_scores(const FloatSegment& seg, int64_t block, float* out) {
+    const int64_t D = p_.dim, T = seg.tokens, L = total_;
+    const float* keys = seg.keys + (block * p_.kv_heads + h_) * T * D;
+    for (int64_t r = 0; r < p_.rows; ++r) {
       const int64_t i = r % p_.queries;  // this row's query token
       for (int64_t t = 0; t < T; ++t) {
         const bool hidden = seg.causal && t > i + (T - p_.queries);
-        scores_[r * T + t] = hidden ? -std::numeric_limits<float>::infinity()
-                                    : dot(qrow(r), keys + t * D, D);
+        out[r * L + t] = hidden ? NEG_INF : dot(qrow(r), keys + t * D, D);
       }
     }
-    absorb(T, [&](int64_t) {
-      for (int64_t r = 0; r < R; ++r) {
-        float* acc = &state_.acc[r * D];
-        for (int64_t t = 0; t < T; ++t) {
-          const float w = scores_[r * T + t];
-          if (w == 0.f) continue;
-          const float* v = values + t * D;
-          for (int64_t d = 0; d < D; ++d) acc[d] += w * v[d];
-        }
+  }
+
+  void float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
+    const int64_t D = p_.dim, T = seg.tokens, L = total_;
+    const float* values = seg.values + (block * p_.kv_heads + h_) * T * D;
+    for (int64_t r = 0; r < p_.rows; ++r) {
+      float* a = acc + r * D;
+      for (int64_t t = 0; t < T; ++t) {
+        const float w = weights[r * L + t];
+        const float* v = values + t * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
       }
-    });
+    }
   }
 
-  void packed_unit(int64_t n) {
+  // ---- per-channel key groups ----
+
+  // One bias per row (the value of code 0 against the query), then each plane's channels.
+  // The block kernels fill all G tokens; a cropped block's tail lands in work_ and is dropped.
+  void channel_scores(int64_t n, float* out) {
     const Packed& pk = p_.packed;
+    const int64_t P = p_.padded, D = p_.dim, G = pk.group, H = p_.kv_heads, L = total_;
     const int64_t T = pk.lengths[n];
-    if (T == 0) return;
-    if (pk.key_mode == 1)
-      channel_scores(n, T);
-    else
-      token_scores(n, T);
-    absorb(T, [&](int64_t) { packed_values(n, T); });
-  }
-
-  // Per-channel groups: pre-scaled query per plane, one bias per row.
-  void channel_scores(int64_t n, int64_t T) {
-    const Packed& pk = p_.packed;
-    const int64_t R = p_.rows, D = p_.dim, G = pk.group, H = p_.kv_heads;
-    const at::Half* scale16 = pk.key_scale + (n * H + h_) * D;
-    const at::Half* minimum16 = pk.key_min + (n * H + h_) * D;
-    const float* offset = pk.key_offset + h_ * D;
     scale_.resize(D);
     base_.resize(D);
-    for (int64_t c = 0; c < D; ++c) {
-      scale_[c] = half(scale16, c);
-      base_[c] = half(minimum16, c) + scale_[c] * offset[c];  // the value of code 0
-    }
-    for (int64_t r = 0; r < R; ++r) {
+    halves(pk.key_scale + (n * H + h_) * D, D, scale_.data());
+    halves(pk.key_min + (n * H + h_) * D, D, base_.data());
+    const float* offset = pk.key_offset + h_ * D;
+    for (int64_t c = 0; c < D; ++c) base_[c] += scale_[c] * offset[c];
+    float* block = work_.data();  // [P, G]
+    for (int64_t r = 0; r < P; ++r) {
       const float bias = dot(qrow(r), base_.data(), D);
-      for (int64_t t = 0; t < T; ++t) scores_[r * T + t] = bias;
+      std::fill(block + r * G, block + (r + 1) * G, bias);
     }
-    std::vector<float>& qs = prescaled_;
-    for (const Plane& plane : pk.planes) {
-      const int64_t C = plane.channels;
-      if (C == 0) continue;
-      const int64_t total = H * G * C;
-      unpack(plane.codes + n * plane.block_bytes, plane.bits, total, h_ * G * C, G * C,
-             codes_.data(), scratch_.data());
-      const int64_t* index = plane.index + h_ * C;
-      const float* mult = plane.mult + h_ * C;
-      qs.resize(R * C);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t i = 0; i < C; ++i)
-          qs[r * C + i] = qrow(r)[index[i]] * scale_[index[i]] * mult[i];
-      for (int64_t t = 0; t < T; ++t) {
-        to_float(&codes_[t * C], C, row_.data());
-        for (int64_t r = 0; r < R; ++r) scores_[r * T + t] += dot(&qs[r * C], row_.data(), C);
-      }
+    for (size_t which = 0; which < pk.planes.size(); ++which)
+      plane(pk.planes[which], plane_queries_[which], n, block);
+    for (int64_t r = 0; r < P; ++r) std::copy(block + r * G, block + r * G + T, out + r * L);
+  }
+
+  void plane(const Plane& plane, const std::vector<float>& queries, int64_t n, float* block) {
+    const int64_t C = plane.channels, G = p_.packed.group;
+    if (C == 0) return;
+    const int64_t stride = row_bytes(G, plane.bits);
+    const uint8_t* rows = plane.codes + n * plane.block_bytes + h_ * C * stride;
+    const int64_t* index = plane.index + h_ * C;
+    const float* mult = plane.mult + h_ * C;
+    factor_.resize(C);
+    for (int64_t i = 0; i < C; ++i) factor_[i] = scale_[index[i]] * mult[i];
+    weights_.resize(RB * C);
+    for (int64_t r0 = 0; r0 < p_.padded; r0 += RB) {
+      const float* q = &queries[r0 * C];
+      for (int r = 0; r < RB; ++r)
+#pragma omp simd
+        for (int64_t i = 0; i < C; ++i) weights_[r * C + i] = q[r * C + i] * factor_[i];
+      float* dst = block + r0 * G;
+      if (plane.kernel)
+        plane.kernel(rows, stride, C, weights_.data(), dst);
+      else
+        plane_scores_any(rows, stride, C, weights_.data(), dst, plane.bits, G, floats_.data());
     }
   }
 
-  // Per-token groups of `group` channels: s·(q·code) + m·Σq per group.
-  void token_scores(int64_t n, int64_t T) {
+  // ---- per-token groups ----
+
+  // Keys: s·(q·code) + m·Σq per group of `group` channels.
+  void token_scores(int64_t n, float* out) {
     const Packed& pk = p_.packed;
-    const Stats& st = pk.key_stats;
-    const int64_t R = p_.rows, D = p_.dim, G = pk.group, H = p_.kv_heads;
-    const int64_t J = D / st.group, gs = st.group;
-    unpack(pk.key_codes + n * pk.key_bytes, st.bits, H * G * D, h_ * G * D, G * D,
-           codes_.data(), scratch_.data());
+    const Stats& st = pk.keys;
+    const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
+    const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
+    const uint8_t* rows = st.codes + n * st.block_bytes + h_ * G * J * stride;
+    token_stats(st, n, T, J);
+    float* dots = work_.data();  // [RB, T]
+    weights_.resize(RB * gs);
+    for (int64_t j = 0; j < J; ++j)
+      for (int64_t r0 = 0; r0 < P; r0 += RB) {
+        float qsum[RB];
+        for (int r = 0; r < RB; ++r) {
+          const float* q = qrow(r0 + r) + j * gs;
+          std::copy(q, q + gs, &weights_[r * gs]);
+          qsum[r] = 0.f;
+          for (int64_t c = 0; c < gs; ++c) qsum[r] += q[c];
+        }
+        if (pk.key_dots)
+          pk.key_dots(rows, stride, J, j, T, weights_.data(), dots);
+        else
+          group_dots_any(rows, stride, J, j, T, weights_.data(), dots, st.bits, gs,
+                         floats_.data());
+        const float* scale = &scale_[j * T];
+        const float* base = &base_[j * T];
+        for (int r = 0; r < RB; ++r) {
+          float* score = out + (r0 + r) * L;
+          const float* d = dots + r * T;
+#pragma omp simd
+          for (int64_t t = 0; t < T; ++t) score[t] += scale[t] * d[t] + base[t] * qsum[r];
+        }
+      }
+  }
+
+  // acc[r] += Σ_t p[r][t]·(s[t,j]·code + m[t,j]) over the block's tokens, group by group.
+  void packed_values(int64_t n, const float* p, float* acc) {
+    const Packed& pk = p_.packed;
+    const Stats& st = pk.values;
+    const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
+    const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
+    const uint8_t* rows = st.codes + n * st.block_bytes + h_ * G * J * stride;
+    token_stats(st, n, T, J);
+    weights_.resize(RB * T);
+    for (int64_t j = 0; j < J; ++j)
+      for (int64_t r0 = 0; r0 < P; r0 += RB) {
+        float bias[RB];
+        const float* scale = &scale_[j * T];
+        for (int r = 0; r < RB; ++r) {
+          const float* pr = p + (r0 + r) * L;
+          bias[r] = dot(pr, &base_[j * T], T);
+#pragma omp simd
+          for (int64_t t = 0; t < T; ++t) weights_[r * T + t] = pr[t] * scale[t];
+        }
+        float* out = work_.data();  // [RB, gs]
+        std::fill(out, out + RB * gs, 0.f);
+        if (pk.value_kernel)
+          pk.value_kernel(rows, stride, J, j, T, weights_.data(), out);
+        else
+          group_values_any(rows, stride, J, j, T, weights_.data(), out, st.bits, gs,
+                           floats_.data());
+        for (int r = 0; r < RB && r0 + r < p_.rows; ++r) {
+          float* a = acc + (r0 + r) * D + j * gs;
+          const float* o = out + r * gs;
+          const float b = bias[r];
+#pragma omp simd
+          for (int64_t c = 0; c < gs; ++c) a[c] += o[c] + b;
+        }
+      }
+  }
+
+  // Per-token statistics of one block as floats, group-major [J, T]: scale, and min (or the
+  // symmetric levels' offset).
+  void token_stats(const Stats& st, int64_t n, int64_t T, int64_t J) {
+    const int64_t stat0 = (n * p_.kv_heads + h_) * p_.packed.group * J;
     const float symmetric = -(float(1 << (st.bits - 1)) - 0.5f);
-    const int64_t stat0 = (n * H + h_) * G * J;
-    qsums_.resize(R * J);
-    for (int64_t r = 0; r < R; ++r)
+    stats_.resize(2 * T * J);
+    halves(st.scale + stat0, T * J, stats_.data());
+    if (st.minimum) halves(st.minimum + stat0, T * J, stats_.data() + T * J);
+    scale_.resize(T * J);
+    base_.resize(T * J);
+    for (int64_t t = 0; t < T; ++t)
       for (int64_t j = 0; j < J; ++j) {
-        float total = 0.f;
-        for (int64_t c = 0; c < gs; ++c) total += qrow(r)[j * gs + c];
-        qsums_[r * J + j] = total;
+        const float s = stats_[t * J + j];
+        scale_[j * T + t] = s;
+        base_[j * T + t] = st.minimum ? stats_[T * J + t * J + j] : symmetric * s;
       }
-    for (int64_t t = 0; t < T; ++t) {
-      to_float(&codes_[t * D], D, row_.data());
-      for (int64_t r = 0; r < R; ++r) {
-        float score = 0.f;
-        for (int64_t j = 0; j < J; ++j) {
-          const float s = half(st.scale, stat0 + t * J + j);
-          const float m = st.minimum ? half(st.minimum, stat0 + t * J + j) : symmetric * s;
-          const float* q = qrow(r) + j * gs;
-          score += s * dot(q, row_.data() + j * gs, gs) + m * qsums_[r * J + j];
-        }
-        scores_[r * T + t] = score;
-      }
-    }
-  }
-
-  void packed_values(int64_t n, int64_t T) {
-    const Packed& pk = p_.packed;
-    const Stats& st = pk.value_stats;
-    const int64_t R = p_.rows, D = p_.dim, G = pk.group, H = p_.kv_heads;
-    const int64_t J = D / st.group, gs = st.group;
-    unpack(pk.value_codes + n * pk.value_bytes, st.bits, H * G * D, h_ * G * D, G * D,
-           codes_.data(), scratch_.data());
-    const float symmetric = -(float(1 << (st.bits - 1)) - 0.5f);
-    const int64_t stat0 = (n * H + h_) * G * J;
-    for (int64_t t = 0; t < T; ++t) {
-      to_float(&codes_[t * D], D, row_.data());
-      for (int64_t r = 0; r < R; ++r) {
-        const float p = scores_[r * T + t];
-        if (p == 0.f) continue;
-        float* acc = &state_.acc[r * D];
-        for (int64_t j = 0; j < J; ++j) {
-          const float s = half(st.scale, stat0 + t * J + j);
-          const float m = st.minimum ? half(st.minimum, stat0 + t * J + j) : symmetric * s;
-          const float ws = p * s, wm = p * m;
-          const float* code = row_.data() + j * gs;
-          float* out = acc + j * gs;
-          for (int64_t c = 0; c < gs; ++c) out[c] += ws * code[c] + wm;
-        }
-      }
-    }
   }
 
   const Problem& p_;
   int64_t h_;
-  std::vector<float> q_, row_, scores_, prescaled_, scale_, base_, qsums_;
-  std::vector<uint8_t> codes_, scratch_;
-  Partial state_;
+  std::vector<Unit> units_;
+  std::vector<int64_t> offsets_;
+  int64_t total_ = 0;
+  std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;
+  std::vector<std::vector<float>> plane_queries_;
 };
+
+// ---- the op -------------------------------------------------------------------------------------
 
 void check(bool ok, const char* message) { TORCH_CHECK(ok, "kvmix::decode: ", message); }
 
 template <typename T>
 const T* data(const Tensor& t, const char* name) {
   TORCH_CHECK(t.is_contiguous(), "kvmix::decode: ", name, " must be contiguous");
-  TORCH_CHECK(t.device().is_cpu(), "kvmix::decode: ", name,
-              " is on ", t.device(), "; this op runs on CPU tensors (use backend='torch')");
+  TORCH_CHECK(t.device().is_cpu(), "kvmix::decode: ", name, " is on ", t.device(),
+              "; this op runs on CPU tensors (use backend='torch')");
   return t.data_ptr<T>();
+}
+
+bool valid_bits(int64_t bits) {
+  return bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8;
+}
+
+Stats token_groups(const Tensor& codes, const Tensor& scale, const std::optional<Tensor>& minimum,
+                   int64_t bits, int64_t group, int64_t dim, const char* what) {
+  TORCH_CHECK(valid_bits(bits), "kvmix::decode: ", what, " bits must be 1, 2, 3, 4 or 8");
+  TORCH_CHECK(group % 8 == 0 && dim % group == 0, "kvmix::decode: ", what,
+              " groups must be a multiple of 8 channels dividing the head dim");
+  return {data<uint8_t>(codes, "codes"), codes.size(-1), data<at::Half>(scale, "scale"),
+          minimum.has_value() ? data<at::Half>(*minimum, "min") : nullptr, int(bits), group};
 }
 
 Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
@@ -386,6 +673,7 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   check(p.heads % p.kv_heads == 0, "query heads must be a multiple of KV heads");
   p.group_size = p.heads / p.kv_heads;
   p.rows = p.group_size * p.queries;
+  p.padded = (p.rows + RB - 1) / RB * RB;
   p.query = data<float>(query, "query");
   p.scale = float(scale);
   for (size_t s = 0; s < float_keys.size(); ++s) {
@@ -404,16 +692,11 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   pk.group = group;
   pk.lengths = lengths.data();
   if (pk.blocks) {
+    check(group % 8 == 0, "groups must be a multiple of 8 tokens");
     check(value_codes.has_value() && value_scale.has_value(), "packed blocks need value codes");
-    check(value_bits == 1 || value_bits == 2 || value_bits == 3 || value_bits == 4 ||
-              value_bits == 8, "value bits must be 1, 2, 3, 4 or 8");
-    check(p.dim % value_group == 0 && (group * p.dim * (value_bits == 3 ? 1 : value_bits)) % 8 == 0,
-          "value rows must be byte-aligned per head");
-    pk.value_codes = data<uint8_t>(*value_codes, "value codes");
-    pk.value_bytes = value_codes->size(-1);
-    pk.value_stats = {data<at::Half>(*value_scale, "value scale"),
-                      value_min.has_value() ? data<at::Half>(*value_min, "value min") : nullptr,
-                      int(value_bits), int(value_group)};
+    pk.values = token_groups(*value_codes, *value_scale, value_min, value_bits, value_group,
+                             p.dim, "value");
+    pk.value_kernel = values_for(value_group, int(value_bits));
     if (!plane_codes.empty()) {
       pk.key_mode = 1;
       check(key_scale.has_value() && key_min.has_value() && key_offset.has_value(),
@@ -423,25 +706,17 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
       pk.key_offset = data<float>(*key_offset, "key offset");
       for (size_t i = 0; i < plane_codes.size(); ++i) {
         const int bits = int(plane_bits[i]);
-        check(bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8,
-              "plane bits must be 1, 2, 3, 4 or 8");
-        const int64_t C = plane_index[i].size(-1);
-        check((group * C * (bits == 3 ? 1 : bits)) % 8 == 0, "plane rows must be byte-aligned");
+        check(valid_bits(bits), "plane bits must be 1, 2, 3, 4 or 8");
         pk.planes.push_back({data<uint8_t>(plane_codes[i], "plane codes"),
-                             plane_codes[i].size(-1), C, bits,
+                             plane_codes[i].size(-1), plane_index[i].size(-1), bits,
                              data<int64_t>(plane_index[i], "plane index"),
-                             data<float>(plane_mult[i], "plane mult")});
+                             data<float>(plane_mult[i], "plane mult"), plane_for(group, bits)});
       }
     } else {
       check(key_codes.has_value() && key_scale.has_value(), "packed keys are missing");
-      check(p.dim % key_group == 0 && (group * p.dim * (key_bits == 3 ? 1 : key_bits)) % 8 == 0,
-            "key rows must be byte-aligned per head");
       pk.key_mode = 2;
-      pk.key_codes = data<uint8_t>(*key_codes, "key codes");
-      pk.key_bytes = key_codes->size(-1);
-      pk.key_stats = {data<at::Half>(*key_scale, "key scale"),
-                      key_min.has_value() ? data<at::Half>(*key_min, "key min") : nullptr,
-                      int(key_bits), int(key_group)};
+      pk.keys = token_groups(*key_codes, *key_scale, key_min, key_bits, key_group, p.dim, "key");
+      pk.key_dots = dots_for(key_group, int(key_bits));
     }
   }
 
@@ -461,9 +736,7 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
       const int64_t h = task / splits, split = task % splits;
       const int64_t lo = int64_t(units.size()) * split / splits;
       const int64_t hi = int64_t(units.size()) * (split + 1) / splits;
-      Task work(p, h);
-      for (int64_t u = lo; u < hi; ++u) work.run(units[u]);
-      partials[task] = std::move(work.state());
+      partials[task] = Task(p, h, units.data() + lo, hi - lo).run();
     }
   });
 
@@ -471,14 +744,14 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   float* o = out.data_ptr<float>();
   for (int64_t h = 0; h < p.kv_heads; ++h) {
     for (int64_t r = 0; r < p.rows; ++r) {
-      float m = -std::numeric_limits<float>::infinity();
+      float m = NEG_INF;
       for (int64_t s = 0; s < splits; ++s) m = std::max(m, partials[h * splits + s].max[r]);
+      if (m == NEG_INF) continue;
       float total = 0.f;
       float* dst = o + ((h * p.group_size + r / p.queries) * p.queries + r % p.queries) * p.dim;
-      if (m == -std::numeric_limits<float>::infinity()) continue;
       for (int64_t s = 0; s < splits; ++s) {
         const Partial& part = partials[h * splits + s];
-        if (part.max[r] == -std::numeric_limits<float>::infinity()) continue;
+        if (part.max[r] == NEG_INF) continue;
         const float w = std::exp(part.max[r] - m);
         total += w * part.sum[r];
         for (int64_t d = 0; d < p.dim; ++d) dst[d] += w * part.acc[r * p.dim + d];
