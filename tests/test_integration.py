@@ -102,13 +102,17 @@ def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, monkey
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
     try:
         rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=[96],
-                                     new_tokens=4, warmup=2, out=str(tmp_path)),
+                                     baselines=["dynamic"], new_tokens=4, warmup=2, rounds=2,
+                                     backend=["torch", "cpu"], out=str(tmp_path)),
                          loaded=real_model)
     finally:
         hook.remove()
-    assert [r["method"] for r in rows] == ["full", "kivi2:residual=32"]
+    assert [(r["method"], r["backend"]) for r in rows] == [
+        ("dynamic", "-"), ("full", "torch"), ("full", "cpu"), ("kivi2:residual=32", "torch"),
+        ("kivi2:residual=32", "cpu")]
     assert all(r["tokens_per_s"] == 1.0 and r["prefill_s"] == 1000.0 for r in rows)
-    assert rows[1]["nbytes"] < rows[0]["nbytes"] / 2
+    assert all(r["vs_dynamic"] == 1.0 for r in rows)  # every clock ran alike
+    assert rows[3]["nbytes"] < rows[1]["nbytes"] / 2
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["model"]["layers"] == 30
     assert all(isinstance(r["peak_bytes"], int) and isinstance(r["steady_bytes"], int)
@@ -230,3 +234,16 @@ def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_pat
         torch.testing.assert_close(reloaded(ids).logits, real_model.model(ids).logits,
                                    rtol=0, atol=1e-3)
     assert real_model.model.hf_quantizer is not None  # the user's model is untouched
+
+
+@pytest.mark.parametrize("method", ["kivi2", "pnmix1"])
+def test_both_backends_generate_the_same_200_tokens(real_model, method):
+    ids = real_model.tokenizer(load_text("prose")[:1500], return_tensors="pt")
+    outputs = {}
+    for backend in ("torch", "cpu"):
+        cache = kvmix.make_cache(real_model.model, method, backend=backend)
+        with torch.no_grad():
+            outputs[backend] = real_model.model.generate(
+                **ids, cache=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
+        assert cache.layers[0].rows[0].lengths  # blocks were read, not only the residual
+    assert torch.equal(outputs["torch"], outputs["cpu"])

@@ -1,12 +1,15 @@
 """``kvmix bench``: decode speed and memory of each method beside the caches users would pick
 instead, measured side by side in one run.
 
-For every prompt length: prefill, then time greedy single-token decode steps over each cache:
+For every prompt length: prefill every cache, then time greedy single-token decode steps over
+them in interleaved rounds (``--rounds``; the median round counts), so that a busy machine slows
+every cache alike:
 transformers' ``DynamicCache`` (``dynamic``) and ``QuantizedCache`` (``quanto2``, ``quanto4``,
 ``hqq2``, ``hqq4``), then every kvmix method on every backend. ``vs_dynamic`` is tokens/s over
 DynamicCache's at the same prompt in the same run. Memory is the allocator's bytes in use
-(``kvmix.evaluation.resources``) above those in use just before the cache was made:
-``peak_bytes`` during decode and ``steady_bytes`` after it (the cache still held); ``nbytes`` is
+(``kvmix.evaluation.resources``): ``steady_bytes`` held after prefill and warmup above those in
+use just before the cache was made, ``peak_bytes`` that plus the largest rise while decoding
+(what a step materialises: a float history, a concatenation); ``nbytes`` is
 what the cache itself reports (for transformers' caches, the storages reachable from them).
 ``select_s`` is the prefill time spent in channel selection (PN-Mix, Kitty, ChanMix).
 Timings are wall-clock on this machine; they belong here, never in pass/fail tests.
@@ -15,6 +18,7 @@ Timings are wall-clock on this machine; they belong here, never in pass/fail tes
 from __future__ import annotations
 
 import gc
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +55,7 @@ class BenchConfig(JobConfig):
     prompt: list[int] = field(default_factory=lambda: [1024])
     new_tokens: int = 32
     warmup: int = 4
+    rounds: int = 4
     backend: list[str] = field(default_factory=lambda: ["auto"])
 
 
@@ -64,6 +69,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
                         help="timed greedy decode steps")
     parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
+    parser.add_argument("--rounds", type=int, default=BenchConfig.rounds,
+                        help="timing rounds; every cache decodes new_tokens/rounds per round")
     parser.add_argument("--backend", default="auto",
                         help=f"kvmix backends to run, e.g. torch,cpu ({', '.join(BACKENDS)})")
     parser.set_defaults(run=lambda args: run_bench(config_from(BenchConfig, args)))
@@ -73,30 +80,39 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
     _check(config)
     loaded, ids = load_inputs(config, max(config.prompt), loaded)
     backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
-    runs = [(b, "-", partial(_baseline, b)) for b in config.baselines]
-    runs += [(m, b, partial(_kvmix, m, b)) for m in config.methods for b in backends]
+    builds = [(b, "-", partial(_baseline, b)) for b in config.baselines]
+    builds += [(m, b, partial(_kvmix, m, b)) for m in config.methods for b in backends]
     rows = []
     with Progress(console=console, transient=True) as bar:
         for prompt in config.prompt:
-            for name, backend, build in runs:
-                task = bar.add_task(f"{name} {backend} @{prompt}",
-                                    total=config.warmup + config.new_tokens)
-                row = _measure(loaded.model, ids[:, :prompt], build, config,
-                               partial(bar.advance, task))
-                rows.append({"method": name, "backend": backend, "prompt": prompt, **row})
+            task = bar.add_task(f"prompt {prompt}", total=len(builds) * (1 + config.rounds))
+            runs = []
+            for name, backend, build in builds:
+                runs.append(_start(loaded.model, ids[:, :prompt], name, backend, build, config))
+                bar.advance(task)
+            steps = -(-config.new_tokens // config.rounds)
+            for _ in range(config.rounds):  # interleaved: drift of the machine hits all alike
+                for run in runs:
+                    _time(run, steps)
+                    bar.advance(task)
+            for run in runs:
+                _measure_memory(run, min(steps, 4))
+            rows += [run.row(prompt) for run in runs]
+            del runs
     _ratios(rows)
     plots = [str(_plot(config, rows))] if config.out else []
-    finish("bench", config, loaded, rows, f"{loaded.model.device} · {config.new_tokens} decode "
-           f"steps · {torch.get_num_threads()} threads", COLUMNS, device=str(loaded.model.device),
+    finish("bench", config, loaded, rows, f"{loaded.model.device} · {config.rounds} rounds of "
+           f"{-(-config.new_tokens // config.rounds)} decode steps · {torch.get_num_threads()} "
+           "threads", COLUMNS, device=str(loaded.model.device),
            threads=torch.get_num_threads(), plots=plots)
     return rows
 
 
 def _check(config: BenchConfig) -> None:
     """Bad input fails before the model loads."""
-    for name in ("new_tokens", "warmup"):
-        if getattr(config, name) < (1 if name == "new_tokens" else 0):
-            raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= 1")
+    for name, least in (("new_tokens", 1), ("warmup", 0), ("rounds", 1)):
+        if getattr(config, name) < least:
+            raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= {least}")
     if not config.prompt or min(config.prompt) < 1:
         raise ValueError(f"prompt={config.prompt} is invalid; expected lengths >= 1")
     unknown = sorted(set(config.baselines) - set(BASELINES))
@@ -109,9 +125,34 @@ def _check(config: BenchConfig) -> None:
         parse_method(method)
 
 
+@dataclass
+class _Run:
+    """One cache under test at one prompt length, kept alive across the timing rounds."""
+
+    name: str
+    backend: str
+    model: Any
+    cache: Any
+    token: torch.Tensor  # [1, 1] the next input
+    prefill_s: float
+    select_s: float
+    steady_bytes: int  # allocator bytes held after prefill and warmup, above the start
+    seconds: list[float] = field(default_factory=list)  # per round, per decode step
+    transient: int = 0  # largest rise above the window's start while decoding
+
+    def row(self, prompt: int) -> dict:
+        ms = 1000 * statistics.median(self.seconds)
+        return {"method": self.name, "backend": self.backend, "prompt": prompt,
+                "prefill_s": self.prefill_s, "select_s": self.select_s,
+                "tokens_per_s": 1000 / ms, "ms_per_token": ms, "nbytes": _nbytes(self.cache),
+                "peak_bytes": self.steady_bytes + self.transient,
+                "steady_bytes": self.steady_bytes}
+
+
 @torch.no_grad()
-def _measure(model, ids: torch.Tensor, build: Callable, config: BenchConfig, tick) -> dict:
-    """Prefill ``ids`` [1, T], then warm up and time greedy single-token decode steps."""
+def _start(model, ids: torch.Tensor, name: str, backend: str, build: Callable,
+           config: BenchConfig) -> _Run:
+    """Make the cache, prefill ``ids`` [1, T] (timed) and warm up."""
     gc.collect()
     base = heap_bytes()
     runner, cache, selecting = build(model)
@@ -122,26 +163,37 @@ def _measure(model, ids: torch.Tensor, build: Callable, config: BenchConfig, tic
     token = logits[:, -1:].argmax(-1)  # [1, 1]
     del logits
     for _ in range(config.warmup):
-        token = _step(runner, cache, token, tick)
-    with PeakMemory() as memory:
-        _sync(runner.device)
-        start = time.perf_counter()
-        for _ in range(config.new_tokens):
-            token = _step(runner, cache, token, tick)
-        _sync(runner.device)
-        seconds = time.perf_counter() - start
+        token = _step(runner, cache, token)
     gc.collect()
-    return {"prefill_s": prefill, "select_s": selecting[0],
-            "tokens_per_s": config.new_tokens / seconds,
-            "ms_per_token": 1000 * seconds / config.new_tokens, "nbytes": _nbytes(cache),
-            "peak_bytes": memory.peak - base, "steady_bytes": heap_bytes() - base}
+    return _Run(name, backend, runner, cache, token, prefill, selecting[0], heap_bytes() - base)
 
 
-def _step(model, cache, token: torch.Tensor, tick) -> torch.Tensor:
+@torch.no_grad()
+def _time(run: _Run, steps: int) -> None:
+    """``steps`` greedy decode steps, timed (nothing else runs: memory has its own round)."""
+    _sync(run.model.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run.token = _step(run.model, run.cache, run.token)
+    _sync(run.model.device)
+    run.seconds.append((time.perf_counter() - start) / steps)
+
+
+@torch.no_grad()
+def _measure_memory(run: _Run, steps: int) -> None:
+    """``steps`` decode steps, untimed, with the allocator sampled: the largest rise above the
+    round's start is what one step materialises."""
+    gc.collect()
+    with PeakMemory() as memory:
+        start_bytes = heap_bytes()
+        for _ in range(steps):
+            run.token = _step(run.model, run.cache, run.token)
+    run.transient = max(run.transient, memory.peak - start_bytes)
+
+
+def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
     """One greedy decode step: token [1, 1] -> the next [1, 1]."""
-    token = model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
-    tick()
-    return token
+    return model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
 def _kvmix(method: str, backend: str, model) -> tuple[Any, Any, list[float]]:

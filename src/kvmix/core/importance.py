@@ -16,7 +16,18 @@ CRITERIA = PAIR_CRITERIA + CHANNEL_CRITERIA
 
 def pair_norms(x: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """[..., D] -> [..., P]: sqrt(x_a² + x_b²) for each pair (a, b)."""
-    return torch.hypot(x[..., pairs[:, 0]], x[..., pairs[:, 1]])
+    return torch.hypot(*pair_halves(x, pairs))
+
+
+def pair_halves(x: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first and second channel of every pair, [..., P] each: slices for the rotate-half
+    and interleaved layouts (no gather over a long prompt), an index for any other."""
+    dim = x.shape[-1]
+    if torch.equal(pairs, torch.arange(dim).view(2, -1).T):  # rotate_half: j with j + D/2
+        return x[..., : dim // 2], x[..., dim // 2 :]
+    if torch.equal(pairs, torch.arange(dim).view(-1, 2)):  # interleaved: 2j with 2j + 1
+        return x[..., 0::2], x[..., 1::2]
+    return x[..., pairs[:, 0]], x[..., pairs[:, 1]]
 
 
 def masked_mean(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
