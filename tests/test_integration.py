@@ -11,7 +11,10 @@ import kvmix
 from kvmix.commands.compare import CompareConfig, run_compare
 from kvmix.core.memory import reachable_bytes
 from kvmix.evaluation.data import load_text, token_ids
+from kvmix.evaluation.planner import bound, kv_bytes
 from kvmix.evaluation.scoring import score, token_kl
+from kvmix.methods import method_names
+from kvmix.models.catalog import architecture
 
 pytestmark = pytest.mark.integration
 CONTEXT, EVAL = 384, 96
@@ -247,3 +250,19 @@ def test_both_backends_generate_the_same_200_tokens(real_model, method):
                 **ids, cache=cache, max_new_tokens=200, min_new_tokens=200, do_sample=False)
         assert cache.layers[0].rows[0].lengths  # blocks were read, not only the residual
     assert torch.equal(outputs["torch"], outputs["cpu"])
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "wush"])
+def test_the_planner_predicts_real_caches_on_the_default_model(real_model, method):
+    """Every method and preset at several lengths and batches: the planner's bytes, from the
+    bundled config alone, are the cache's measured bytes within 1% (past the first block)."""
+    arch = architecture("smollm2")
+    text = load_text("prose")
+    for batch, tokens in ((1, 300), (2, 700)):
+        ids = real_model.tokenizer([text[i * 9000:] for i in range(batch)], return_tensors="pt",
+                                   truncation=True, max_length=tokens).input_ids
+        cache = kvmix.make_cache(real_model.model, method)
+        with torch.no_grad():
+            real_model.model(ids, cache=cache, use_cache=True)
+        plan = kv_bytes(bound(method, arch), arch, batch, tokens, torch.float32)
+        assert sum(plan.values()) == pytest.approx(cache.nbytes(), rel=0.01), (batch, tokens)

@@ -16,6 +16,10 @@ def test_methods_lists_every_method_and_preset(capsys):
     (["compare", "--methods", "full,nosuch"], "unknown method 'nosuch'"),
     (["compare", "--context", "0"], "context=0 is invalid"),
     (["compare", "--methods", "kivi:key_bits=8"], "key_bits=8 is not supported"),
+    (["compare", "--backend", "gpu"], "backend='gpu' is invalid; valid: auto, torch, cpu"),
+    (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
+    (["bench", "--prompt", "1024,x"], "prompt='1024,x' is invalid; expected comma-separated int"),
+    (["bench", "--rounds", "0"], "rounds=0 is invalid; expected >= 1"),
 ])
 def test_compare_rejects_bad_input_before_loading_the_model(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

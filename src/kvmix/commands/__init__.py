@@ -11,10 +11,11 @@ from kvmix.commands import (
     methods,
     norms,
     pairscore,
+    plan,
     recon,
     sweep,
     transforms,
 )
 
-COMMANDS = (compare, bench, criteria, pairscore, sweep, norms, keyfirst, recon, calibrate,
+COMMANDS = (compare, bench, plan, criteria, pairscore, sweep, norms, keyfirst, recon, calibrate,
             transforms, export, methods)

@@ -11,9 +11,10 @@ from kvmix.methods import split_methods
 LIST_KINDS = {"list[int]": int, "list[float]": float, "list[str]": str}
 
 
-def add_job_arguments(parser: argparse.ArgumentParser, defaults: Any,
-                      methods: bool = True) -> None:
-    """--model, --data, --methods, --dtype, --device and --out, with ``defaults``' values."""
+def add_job_arguments(parser: argparse.ArgumentParser, defaults: Any, methods: bool = True,
+                      backend: bool = True) -> None:
+    """--model, --data, --methods, --dtype, --device, --backend and --out, with ``defaults``'
+    values."""
     parser.add_argument("--model", default=defaults.model,
                         help="'smollm2' (offline default), a transformers id/folder or a .gguf")
     parser.add_argument("--data", default=defaults.data, help="'prose', 'code' or a text file")
@@ -24,6 +25,10 @@ def add_job_arguments(parser: argparse.ArgumentParser, defaults: Any,
     parser.add_argument("--dtype", default=defaults.dtype,
                         help="auto (float32 on CPU), float32, float16, bfloat16")
     parser.add_argument("--device", default=defaults.device)
+    if backend:
+        parser.add_argument("--backend", default=defaults.backend,
+                            help="attention over the packed cache: auto (the fused CPU op where "
+                                 "it runs), torch (the reference path) or cpu")
     parser.add_argument("--out", default=None, help="folder for results.json")
 
 

@@ -61,7 +61,7 @@ class BenchConfig(JobConfig):
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("bench", help="decode speed and memory vs transformers' caches")
-    add_job_arguments(parser, BenchConfig())
+    add_job_arguments(parser, BenchConfig(), backend=False)
     parser.add_argument("--baselines", default="dynamic",
                         help=f"transformers caches to run beside ({', '.join(BASELINES)}; "
                              "'' for none)")

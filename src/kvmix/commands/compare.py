@@ -41,7 +41,8 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     check_lengths(config.context, config.eval_tokens, config.chunk)
     methods = [parse_method(m) for m in config.methods]  # bad method strings fail before loading
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    scored = score_methods(loaded, ids, ["full", *config.methods], config.context, config.chunk)
+    scored = score_methods(loaded, ids, ["full", *config.methods], config.context, config.chunk,
+                           backend=config.backend)
     rows = [_row(text, method, scored[text], scored["full"], loaded.dtype)
             for text, method in zip(config.methods, methods, strict=True)]
     for row in rows:

@@ -56,7 +56,7 @@ def run_criteria(config: CriteriaConfig, loaded: LoadedModel | None = None) -> l
                               loaded)
     captured = capture(loaded.model, ids[:, : config.context + config.queries], config.context)
     scored = score_methods(loaded, ids[:, : config.context + config.eval_tokens + 1],
-                           ["full", *methods], config.context, config.chunk)
+                           ["full", *methods], config.context, config.chunk, backend=config.backend)
     rows = []
     for criterion, method in zip(config.criteria, methods, strict=True):
         per_layer = attention_kl(loaded.model, captured, method).mean(-1)  # [L]

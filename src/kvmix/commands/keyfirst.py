@@ -57,7 +57,7 @@ def run_keyfirst(config: KeyfirstConfig, loaded: LoadedModel | None = None) -> l
         parse_method(method)
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
     scored = score_methods(loaded, ids, ["full", *config.settings.values()], config.context,
-                           config.chunk)
+                           config.chunk, backend=config.backend)
     full = scored["full"]
     rows = []
     for label, method in config.settings.items():

@@ -82,7 +82,7 @@ def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[di
         parse_method(method)
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
     scored = score_methods(loaded, ids, ["full"] + [m for _, _, m in points], config.context,
-                           config.chunk)
+                           config.chunk, backend=config.backend)
     rows = [{"family": family, "target_bits": target, "setting": method.partition(":")[2],
              "method": method, **summary(scored[method], scored["full"])}
             for family, target, method in points]

@@ -66,7 +66,8 @@ def run_transforms(config: TransformsConfig, loaded: LoadedModel | None = None) 
                for kind in config.kinds for q in config.quantizers}
     captured = capture(loaded.model, ids[:, : config.context + config.queries], config.context)
     scored = score_methods(loaded, ids[:, : config.context + config.eval_tokens + 1],
-                           ["full", *methods.values()], config.context, config.chunk)
+                           ["full", *methods.values()], config.context, config.chunk,
+                           backend=config.backend)
     outputs = output_weights(loaded.model)
     rows = []
     for (kind, quantizer), method in methods.items():

@@ -16,6 +16,7 @@ from kvmix.evaluation.scoring import Scored, score
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, model_info
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.kernels import BACKENDS
 
 
 @dataclass
@@ -26,28 +27,38 @@ class JobConfig:
     data: str = "prose"
     dtype: str = "auto"
     device: str = "cpu"
+    backend: str = "auto"
     out: str | None = None
 
 
 def load_inputs(config: Any, n_tokens: int,
                 loaded: LoadedModel | None = None) -> tuple[LoadedModel, torch.Tensor]:
-    """The model (unless given) and the first ``n_tokens`` tokens of ``config.data``: [1, n]."""
+    """The model (unless given) and the first ``n_tokens`` tokens of ``config.data``: [1, n].
+    A bad backend name fails here, before the model loads."""
+    check_backend(config.backend)
     loaded = loaded or load_model(config.model, config.dtype, config.device)
     text = load_text(config.data)
     return loaded, token_ids(loaded.tokenizer, text, n_tokens, f"data={config.data!r}")
 
 
+def check_backend(backend: str | list[str]) -> None:
+    for name in [backend] if isinstance(backend, str) else backend:
+        if name not in BACKENDS:
+            raise ValueError(f"backend={name!r} is invalid; valid: {', '.join(BACKENDS)}")
+
+
 def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], context: int,
-                  chunk: int) -> dict[str, Scored]:
+                  chunk: int, backend: str = "auto") -> dict[str, Scored]:
     """Score each distinct method string once, in order, over the same tokens."""
     for method in dict.fromkeys(methods):  # every method binds to the model before any work
-        make_cache(prepare_model(loaded.model, method), method)
+        make_cache(prepare_model(loaded.model, method), method, backend)
     results: dict[str, Scored] = {}
     with Progress(console=console, transient=True) as bar:
         for method in dict.fromkeys(methods):
             task = bar.add_task(method, total=ids.shape[1] - context - 1)
             results[method] = score(loaded.model, ids, method, context, chunk,
-                                    progress=lambda n, t=task: bar.advance(t, n))
+                                    progress=lambda n, t=task: bar.advance(t, n),
+                                    backend=backend)
     return results
 
 

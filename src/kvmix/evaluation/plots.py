@@ -67,3 +67,21 @@ def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xl
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def capacity_plot(path: str | Path, series: dict[str, list[tuple[float, float]]],
+                  capacity: float, title: str, device: str) -> Path:
+    """Memory (GB) against generated tokens per method, with the device's capacity drawn in."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name, points in series.items():
+        xs, ys = zip(*points, strict=True)
+        axes.plot(xs, ys, label=name)
+    axes.axhline(capacity, color="black", linestyle="--", label=f"{device} ({capacity:.1f} GB)")
+    axes.set(xlabel="generated tokens", ylabel="weights + KV + overhead (GB)", title=title)
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)

@@ -71,3 +71,30 @@ class PeakMemory:
         while not self._stop.is_set():
             self.peak = max(self.peak, heap_bytes())
             time.sleep(self.interval)
+
+
+def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
+    """This machine's copy bandwidth, bytes/s (read + write), the best of a few large copies."""
+    import torch
+
+    source = torch.ones(megabytes * 2**20 // 4)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.nbytes / best
+
+
+def matmul_flops(size: int = 1024, repeats: int = 5) -> float:
+    """This machine's float32 matrix-multiply FLOP/s, the best of a few."""
+    import torch
+
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best

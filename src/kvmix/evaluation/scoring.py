@@ -52,7 +52,7 @@ def check_lengths(context: int, eval_tokens: int, chunk: int) -> None:
 
 @torch.no_grad()
 def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: int = 1,
-          progress: Callable[[int], None] | None = None) -> Scored:
+          progress: Callable[[int], None] | None = None, backend: str = "auto") -> Scored:
     """Prefill ``ids[:, :context]``, then decode the rest in chunks over the method's cache.
 
     ids: [1, context + N + 1]; scores the N tokens after the first decoded one, whose logits all
@@ -61,7 +61,7 @@ def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: i
     check_lengths(context, ids.shape[1] - context - 1, chunk)
     ids = ids.to(model.device)
     model = prepare_model(model, method)  # a folded copy for methods that fold into weights
-    cache = make_cache(model, method)
+    cache = make_cache(model, method, backend)
     start = time.perf_counter()
     model(ids[:, :context], cache=cache, use_cache=True)
     logprobs = []
