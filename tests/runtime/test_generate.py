@@ -155,3 +155,15 @@ def test_hybrid_models_pack_full_layers_and_count_every_layer(gemma, name):
     assert held == 2 * (sum(PROMPTS[:2]) + 2 * 39)  # 2 layers; the last token is never fed back
     window = sum(layer.keys.shape[0] * layer.keys.shape[-2] for layer in cache.other_layers)
     assert cache.fp16_nbytes() == 4 * 32 * (held + window)  # 16-bit K and V, same layers
+
+
+def test_generate_fills_the_cache_it_is_given(model):
+    """transformers < 5.24 has no ``cache=`` and would decode over a cache of its own: the
+    kvmix cache handed in must hold every position afterwards, in packed blocks."""
+    cache = kvmix.make_cache(model, method_string("kivi2"))
+    prompt = prompts()[2][None]
+    with torch.no_grad():
+        model.generate(prompt, cache=cache, max_new_tokens=40, do_sample=False,
+                       eos_token_id=None)
+    assert cache.get_seq_length() == prompt.shape[1] + 40 - 1
+    assert cache.layers[0].rows[0].lengths and cache.nbytes() > 0

@@ -8,7 +8,9 @@ from kvmix.commands import (
     criteria,
     export,
     keyfirst,
+    longgen,
     methods,
+    needle,
     norms,
     pairscore,
     plan,
@@ -17,5 +19,5 @@ from kvmix.commands import (
     transforms,
 )
 
-COMMANDS = (compare, bench, plan, criteria, pairscore, sweep, norms, keyfirst, recon, calibrate,
-            transforms, export, methods)
+COMMANDS = (compare, bench, plan, longgen, needle, criteria, pairscore, sweep, norms, keyfirst,
+            recon, calibrate, transforms, export, methods)

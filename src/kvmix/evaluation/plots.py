@@ -85,3 +85,21 @@ def capacity_plot(path: str | Path, series: dict[str, list[tuple[float, float]]]
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return Path(path)
+
+
+def heatmap(path: str | Path, values: list[list[float]], columns: list[str], rows: list[str],
+            xlabel: str, ylabel: str, title: str) -> Path:
+    """A 0..1 grid (e.g. accuracy): values[row][column], each cell labelled."""
+    figure, axes = plt.subplots(figsize=(1.2 * len(columns) + 2.5, 0.8 * len(rows) + 1.8))
+    image = axes.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    axes.set_xticks(range(len(columns)), columns)
+    axes.set_yticks(range(len(rows)), rows)
+    for r, line in enumerate(values):
+        for c, value in enumerate(line):
+            axes.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=9)
+    axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
+    figure.colorbar(image, ax=axes)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return Path(path)

@@ -83,6 +83,12 @@ def model_info(loaded: LoadedModel) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in loaded.model.parameters())}
 
 
+def max_positions(model) -> int:
+    """The longest sequence the model's positions cover (its config's limit)."""
+    config = model.config.get_text_config(decoder=True)
+    return int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
+
+
 def drop_gguf_marker(model) -> None:
     """GGUF loading dequantizes every tensor; only its marker, which blocks save_pretrained, is
     left. kvmix's folded copy drops it (the user's model keeps it)."""
