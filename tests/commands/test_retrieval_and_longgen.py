@@ -66,7 +66,7 @@ def test_prompts_from_a_jsonl_file_and_its_errors(tmp_path):
     path.write_text('{"prompt": "ab"}\n\n{"prompt": "cde"}\n')
     assert prompt_set(str(path), Characters(), 2, 0) == [[Characters.id(c) for c in "ab"],
                                                         [Characters.id(c) for c in "cde"]]
-    with pytest.raises(ValueError, match="prompts=3 is invalid; data=.* has 2"):
+    with pytest.raises(ValueError, match=r"prompts=3 is invalid; data=.* has 2"):
         prompt_set(str(path), Characters(), 3, 0)
     path.write_text('{"prompt": "ab"}\nnot json\n')
     with pytest.raises(ValueError, match="line 2 is not a JSON object with a \"prompt\""):
