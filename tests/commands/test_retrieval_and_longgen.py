@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 
 import pytest
 import torch
@@ -135,3 +136,24 @@ def test_bad_arguments_fail_before_the_model_loads(argv, message, capsys):
         main(argv)
     assert stop.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["eval", "--tasks", "nosuch_task"], "tasks=nosuch_task unknown; valid local ones: "
+                                         "kvmix_passkey, niah_single_1, ruler_vt"),
+    (["eval", "--limit", "0"], "limit=0 is invalid"),
+    (["eval", "--lengths", "10"], "lengths=10 is invalid; expected >= 64 tokens"),
+])
+def test_eval_bad_arguments_fail_before_the_model_loads(argv, message, capsys):
+    pytest.importorskip("lm_eval")
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_without_lm_eval_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # import lm_eval raises ImportError
+    with pytest.raises(SystemExit):
+        main(["eval"])
+    assert "pip install 'kvmix[eval]'" in capsys.readouterr().err

@@ -7,6 +7,7 @@ from kvmix.commands import (
     compare,
     criteria,
     export,
+    harness,
     keyfirst,
     longgen,
     methods,
@@ -19,5 +20,5 @@ from kvmix.commands import (
     transforms,
 )
 
-COMMANDS = (compare, bench, plan, longgen, needle, criteria, pairscore, sweep, norms, keyfirst,
-            recon, calibrate, transforms, export, methods)
+COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
+            keyfirst, recon, calibrate, transforms, export, methods)

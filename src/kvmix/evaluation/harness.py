@@ -1,0 +1,105 @@
+"""lm-evaluation-harness adapter (the ``eval`` extra): ``KVMixLM``, registered as ``kvmix``.
+
+Every request gets a fresh cache of the method. A single prefill never reads the quantized
+cache, so log-likelihood requests prefill the context up to the token that predicts the
+continuation's first token and run the rest of the continuation through the cache in chunks
+of ``chunk`` tokens (1 = exact decode semantics). Generation requests pass the cache to
+``generate``. The cache object never reaches lm-eval's results; only its peak bytes are kept.
+
+    import lm_eval
+    from kvmix.evaluation.harness import KVMixLM
+    lm_eval.simple_evaluate(model=KVMixLM(method="pnmix1"), tasks=["kvmix_passkey"],
+                            task_manager=task_manager(), limit=4)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.tasks import TaskManager
+from tqdm import tqdm
+
+from kvmix.methods import parse_method
+from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, max_positions
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.folding import prepare_model
+
+TASKS = Path(__file__).with_name("tasks")
+LOCAL_TASKS = ("kvmix_passkey", "niah_single_1", "ruler_vt")
+
+
+@register_model("kvmix")
+class KVMixLM(HFLM):
+    """HFLM whose every request runs over a fresh kvmix cache of ``method``."""
+
+    def __init__(self, pretrained: str | LoadedModel = DEFAULT_MODEL, method: str = "full",
+                 backend: str = "auto", chunk: int = 16, dtype: str = "auto", **kwargs):
+        if not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"chunk={chunk!r} is invalid; expected an integer >= 1")
+        parse_method(method)
+        loaded = pretrained if isinstance(pretrained, LoadedModel) else load_model(
+            pretrained, dtype)
+        runner = prepare_model(loaded.model, method)
+        make_cache(runner, method, backend)  # the method binds to the model before any work
+        kwargs = {"batch_size": 1, "max_length": max_positions(runner), **kwargs}
+        super().__init__(pretrained=runner, tokenizer=loaded.tokenizer,
+                         device=str(runner.device), **kwargs)
+        self.method, self.backend, self.chunk = method, backend, chunk
+        self.peak_nbytes = 0
+
+    def _fresh_cache(self):
+        return make_cache(self.model, self.method, self.backend)
+
+    def _record(self, cache) -> None:
+        self.peak_nbytes = max(self.peak_nbytes, cache.nbytes())
+
+    @torch.no_grad()
+    def continuation_logprobs(self, tokens: list[int], count: int) -> torch.Tensor:
+        """Log-probabilities [count, V] of the distributions that predict the last ``count``
+        of ``tokens``: prefill up to the first of them, then chunks through the cache."""
+        inputs = torch.tensor([tokens[:-1]], device=self.device)  # [1, T]
+        split = inputs.shape[1] - count + 1
+        cache = self._fresh_cache()
+        logits = [self.model(inputs[:, :split], cache=cache, use_cache=True).logits[:, -1:]]
+        for start in range(split, inputs.shape[1], self.chunk):
+            chunk = inputs[:, start : start + self.chunk]
+            logits.append(self.model(chunk, cache=cache, use_cache=True).logits)
+        self._record(cache)
+        return torch.log_softmax(torch.cat(logits, 1)[0].float(), dim=-1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
+                              override_bs: int | None = None) -> list[tuple[float, bool]]:
+        results = []
+        for request, context, continuation in tqdm(requests, disable=disable_tqdm):
+            whole = (context + continuation)[-(self.max_length + 1):]
+            count = min(len(continuation), len(whole) - 1)
+            logprobs = self.continuation_logprobs(whole, count)  # [count, V]
+            target = torch.tensor(whole[-count:], device=logprobs.device)
+            answer = (float(logprobs.gather(1, target[:, None]).sum()),
+                      bool((logprobs.argmax(-1) == target).all()))
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+            results.append(answer)
+        return results
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs):
+        cache = self._fresh_cache()
+        out = super()._model_generate(context, max_length, stop, cache=cache,
+                                      **generation_kwargs)
+        self._record(cache)
+        return out
+
+
+def task_manager(tokenizer_folder: str | None = None, lengths: list[int] | None = None
+                 ) -> TaskManager:
+    """lm-eval's tasks plus kvmix's local ones; ``tokenizer_folder`` and ``lengths`` feed the
+    synthetic tasks (passkey, RULER) that size their prompts in tokens."""
+    metadata = {}
+    if tokenizer_folder:
+        metadata["tokenizer"] = tokenizer_folder
+    if lengths:
+        metadata["max_seq_lengths"] = lengths
+    return TaskManager(include_path=str(TASKS), metadata=metadata or None)
