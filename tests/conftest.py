@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter; it is chosen when the
+# kernels are defined, so before kvmix is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM
 
 TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,

@@ -108,3 +108,36 @@ def attend(cache: KVMixCache, queries: torch.Tensor, mask: torch.Tensor | None =
 def per_row(layer, fn) -> torch.Tensor:
     """``fn(row)`` for every sequence of a layer, concatenated along the batch."""
     return torch.cat([fn(row) for row in layer.rows])
+
+
+def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None,
+                 tolerance: float = 1e-5) -> float:
+    """Stage ``count`` tokens and compare a fused op (``fused``: a kernels module, the CPU op by
+    default) with the reference on every row before the layer attends (and commits); returns
+    the worst relative error."""
+    from kvmix.runtime.kernels import cpu, reference
+
+    fused = fused or cpu
+    keys, values, queries = tokens(batch, count, seed, dtype=torch.float32)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    queries = cache.method.transform_queries(queries, 0)
+    staged_keys, staged_values = layer.staged
+    worst = 0.0
+    if mask is not None:
+        layer._read_pads(mask)
+    for b, row in enumerate(layer.rows):
+        new = min(count, layer.length - layer.pads[b])
+        if new <= 0 or not len(row):
+            continue
+        q = queries[b : b + 1, :, -new:]
+        k, v = staged_keys[b : b + 1, :, -new:], staged_values[b : b + 1, :, -new:]
+        view = None if row.blocks is None else cache.method.kernel_view(row.blocks, 0,
+                                                                         row.selection)
+        assert view is not None or row.blocks is None, "a method in FAST has no view"
+        fast = fused.attend(row, view, q, k, v, D**-0.5)
+        exact = reference.attend(row, q, k, v, D**-0.5)
+        torch.testing.assert_close(fast, exact, rtol=tolerance, atol=tolerance)
+        worst = max(worst, ((fast - exact).abs().max() / exact.abs().max()).item())
+    layer.attend(queries, mask, D**-0.5)
+    return worst

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HQ, METHODS, D, make, method_string, tokens
+from helpers import HQ, METHODS, D, compare_rows, make, method_string
 
 import kvmix
 from kvmix.methods import method_classes
-from kvmix.runtime.kernels import cpu, reference, resolve
-from kvmix.runtime.layer import take_pending
+from kvmix.runtime.kernels import cpu, resolve
 
 FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
         and "backend=" not in m]
@@ -21,34 +20,6 @@ SCALE = D**-0.5
 @pytest.fixture(scope="module", autouse=True)
 def built():
     cpu.load()  # builds on first use: a broken build fails here, loudly
-
-
-def compare_rows(cache, count: int, seed: int, batch: int, mask=None) -> float:
-    """Stage ``count`` tokens and compare the op with the reference on every row before the
-    layer attends (and commits); returns the worst relative error."""
-    keys, values, queries = tokens(batch, count, seed, dtype=torch.float32)
-    cache.update(keys, values, 0)
-    layer = take_pending()
-    queries = cache.method.transform_queries(queries, 0)
-    staged_keys, staged_values = layer.staged
-    worst = 0.0
-    if mask is not None:
-        layer._read_pads(mask)
-    for b, row in enumerate(layer.rows):
-        new = min(count, layer.length - layer.pads[b])
-        if new <= 0 or not len(row):
-            continue
-        q = queries[b : b + 1, :, -new:]
-        k, v = staged_keys[b : b + 1, :, -new:], staged_values[b : b + 1, :, -new:]
-        view = None if row.blocks is None else cache.method.kernel_view(row.blocks, 0,
-                                                                         row.selection)
-        assert view is not None or row.blocks is None, "a method in FAST has no view"
-        fast = cpu.attend(row, view, q, k, v, SCALE)
-        exact = reference.attend(row, q, k, v, SCALE)
-        torch.testing.assert_close(fast, exact, rtol=1e-5, atol=1e-5)
-        worst = max(worst, ((fast - exact).abs().max() / exact.abs().max()).item())
-    layer.attend(queries, mask, SCALE)
-    return worst
 
 
 @pytest.mark.parametrize("name", FAST)

@@ -68,7 +68,7 @@ class ChanMix(PerTokenValues):
 
     name: ClassVar[str] = "chanmix"
     summary: ClassVar[str] = "ChanMix: channel classes at 4/3/2/1 bits, 2 bits on average"
-    fast_path: ClassVar[str] = "cpu op (one plane per class)"
+    fast_path: ClassVar[str] = "cpu op + triton (one plane per class)"
 
     retrieval: float = 1 / 16
     outlier: float = 1 / 8

@@ -22,7 +22,7 @@ class Full(Method):
     name: ClassVar[str] = "full"
     summary: ClassVar[str] = "reference: keys and values at the model's own precision"
     quantizes: ClassVar[bool] = False
-    fast_path: ClassVar[str] = "cpu op (float blocks)"
+    fast_path: ClassVar[str] = "cpu op + triton (float blocks)"
 
     sink: int = 0
 

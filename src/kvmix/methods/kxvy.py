@@ -77,7 +77,7 @@ class KxVy(Method):
 
     name: ClassVar[str] = "kxvy"
     summary: ClassVar[str] = "key-priority: any key/value bits, per-layer lists, separate groups"
-    fast_path: ClassVar[str] = "cpu op (backend=native; quanto/hqq: reference)"
+    fast_path: ClassVar[str] = "cpu op + triton (backend=native; quanto/hqq: reference)"
     allowed_bits: ClassVar[tuple[int, ...]] = WIDTHS
 
     key_bits: Bits = 4

@@ -95,7 +95,7 @@ class PNMix(PerTokenValues):
 
     name: ClassVar[str] = "pnmix"
     summary: ClassVar[str] = "PN-Mix: 3/1-bit keys per RoPE pair by q·k pair-norm importance"
-    fast_path: ClassVar[str] = "cpu op (two planes; selection=online: reference)"
+    fast_path: ClassVar[str] = "cpu op + triton (two planes; selection=online: reference)"
     presets: ClassVar[dict] = {"pnmix1": {"ratio": 0.5, "group": 128},
                                "pnmix2": {"ratio": 0.4, "group": 64}}
 

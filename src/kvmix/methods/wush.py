@@ -42,7 +42,7 @@ class Wush(Method):
 
     name: ClassVar[str] = "wush"
     summary: ClassVar[str] = "WUSH-KV: calibrated transforms + clipped per-token quantizers"
-    fast_path: ClassVar[str] = "cpu op (queries transformed in the hook)"
+    fast_path: ClassVar[str] = "cpu op + triton (queries transformed in the hook)"
 
     transforms: str = ""
     transform: str = "wush"

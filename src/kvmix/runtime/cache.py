@@ -17,7 +17,7 @@ from transformers.cache_utils import (
 
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
-from kvmix.runtime.kernels import cpu
+from kvmix.runtime.kernels import cpu, gpu
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
@@ -51,15 +51,15 @@ class KVMixCache(Cache):
     def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
                  kv_norms: torch.Tensor | None = None, folded: str | None = None,
                  backend: str = "torch"):
-        """backend: "torch" (the reference path) or "cpu" (the fused op; kvmix.make_cache
-        resolves "auto")."""
-        if backend not in ("torch", "cpu"):
-            raise ValueError(f"backend={backend!r} is invalid here; valid: torch, cpu "
+        """backend: "torch" (the reference path), "cpu" (the fused op) or "triton" (the GPU
+        kernels); kvmix.make_cache resolves "auto")."""
+        if backend not in ("torch", "cpu", "triton"):
+            raise ValueError(f"backend={backend!r} is invalid here; valid: torch, cpu, triton "
                              "(kvmix.make_cache also takes auto)")
-        if backend == "cpu":
-            ok, cause = cpu.available()
+        for name, kernels in (("cpu", cpu), ("triton", gpu)):
+            ok, cause = kernels.available() if backend == name else (True, "")
             if not ok:
-                raise ValueError(f"backend='cpu' is unavailable: {cause}")
+                raise ValueError(f"backend={name!r} is unavailable: {cause}")
         self.backend = backend
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)

@@ -22,7 +22,8 @@ from transformers.cache_utils import CacheLayerMixin
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import formula_bytes
-from kvmix.runtime.kernels import cpu, reference
+from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
+from kvmix.runtime.kernels.views import view_of
 from kvmix.runtime.store import RowStore, check_finite
 
 
@@ -56,13 +57,16 @@ class KVMixLayer(CacheLayerMixin):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
-        self.backend = backend  # "torch" (the reference path) or "cpu" (the fused op)
+        self.backend = backend  # "torch" (the reference path), "cpu" or "triton" (fused ops)
         self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.backend == "cpu" and key_states.device.type != "cpu":
             raise ValueError(f"backend='cpu' runs on CPU tensors; layer {self.layer_idx}'s keys "
                              f"are on {key_states.device} (use backend='torch' or 'auto')")
+        if self.backend == "triton" and key_states.device.type != "cuda" and not interpreting():
+            raise ValueError(f"backend='triton' runs on CUDA tensors; layer {self.layer_idx}'s "
+                             f"keys are on {key_states.device} (use backend='cpu' or 'auto')")
         self.dtype, self.device = key_states.dtype, key_states.device
         self.rows = [RowStore(self.method, self.layer_idx) for _ in range(key_states.shape[0])]
         self.pads = [0] * key_states.shape[0]
@@ -194,10 +198,11 @@ class KVMixLayer(CacheLayerMixin):
     def _attend_row(self, row: RowStore, query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, scaling: float) -> torch.Tensor:
         """The fused op for a few new queries over a history it can read, else the reference."""
-        if self.backend == "cpu" and len(row) and query.shape[-2] <= cpu.MAX_QUERIES:
-            view = None if row.blocks is None else cpu.view_of(row, self.layer_idx)
+        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        if fused and len(row) and query.shape[-2] <= fused.MAX_QUERIES:
+            view = None if row.blocks is None else view_of(row, self.layer_idx)
             if view is not None or row.blocks is None:
-                return cpu.attend(row, view, query, keys, values, scaling)
+                return fused.attend(row, view, query, keys, values, scaling)
         return reference.attend(row, query, keys, values, scaling)
 
     def _pick(self, index: list[int]) -> None:

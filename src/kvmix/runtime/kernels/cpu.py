@@ -17,7 +17,6 @@ import os
 import platform
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from kvmix.runtime.store import RowStore
 SOURCE = Path(__file__).with_name("decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
-_VIEWS: dict[tuple[int, int], KernelView | None] = {}
 
 
 class KernelUnavailable(RuntimeError):
@@ -54,16 +52,6 @@ def available() -> tuple[bool, str]:
     except KernelUnavailable as error:
         return False, str(error)
     return True, ""
-
-
-def view_of(row: RowStore, layer: int) -> KernelView | None:
-    """The method's kernel view of the row's blocks, made once per blocks object (a flush or an
-    edit makes a new one) and kept outside the cache, so ``nbytes`` is untouched."""
-    key = (id(row.blocks), id(row.selection))
-    if key not in _VIEWS:
-        _VIEWS[key] = row.method.kernel_view(row.blocks, layer, row.selection)
-        weakref.finalize(row.blocks, _VIEWS.pop, key, None)
-    return _VIEWS[key]
 
 
 def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,

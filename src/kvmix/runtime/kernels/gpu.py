@@ -1,0 +1,322 @@
+"""Triton decode attention over packed K/V (``backend="triton"``): scores straight from the
+codes, split across programs, merged by log-sum-exp. Mirrors
+``kvmix.runtime.kernels.reference.attend`` and is tested against it on CPU with
+``TRITON_INTERPRET=1``.
+
+One layer step of one sequence, for the few new queries of a decode step:
+
+1. scores of the packed blocks into ``S`` [H, R, n·G] (R = query heads per KV head × queries,
+   pre-scaled by ``scaling``): per-channel keys start from the per-block bias
+   Σ_c q_c·(min_c + scale_c·offset_c) and each plane adds Σ_c q_c·scale_c·mult_c·code_c
+   (``_plane_scores``, a program per block and KV head); per-token keys (WUSH, rotate) are
+   dequantized tile by tile (``_token_scores``);
+2. ``_value_splits``: a program per KV head and split of the blocks, online softmax over its
+   blocks' scores (masked past each block's held length) and p·V from the value codes, giving a
+   partial output with its running max and sum;
+3. the float segments (sink, residual, float blocks, the new tokens themselves, causally) in
+   torch as one more partial — they are at most ``sink + residual + q`` tokens;
+4. ``_merge``: the partials merged by log-sum-exp.
+
+The float K/V history is never built: ``S`` holds one float per token and query row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvmix.core.packing import row_bytes
+from kvmix.methods import ChannelKeys, KernelView, TokenGroups
+from kvmix.runtime.store import RowStore
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as missing:  # the `triton` extra is optional
+    triton, tl, _CAUSE = None, None, f"Triton is not installed ({missing}): pip install " \
+                                     "'kvmix[triton]'"
+else:
+    _CAUSE = ""
+
+MAX_QUERIES = 16
+KERNEL_BITS = (1, 2, 3, 4, 8)
+PROGRAMS = 128  # splits × KV heads to aim for, so batch 1 fills the device
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") when Triton imports, else (False, the cause)."""
+    return (triton is not None, _CAUSE)
+
+
+def check_view(view: KernelView | None, head_dim: int) -> None:
+    """Bit widths and head dims the kernels tile; anything else is an error naming it."""
+    if view is None or isinstance(view.keys, torch.Tensor):
+        return
+    widths = ([p.bits for p in view.keys.planes] if isinstance(view.keys, ChannelKeys)
+              else [view.keys.bits]) + [view.values.bits]
+    for bits in widths:
+        if bits not in KERNEL_BITS:
+            raise ValueError(f"bits={bits} has no Triton kernel; valid: "
+                             f"{', '.join(map(str, KERNEL_BITS))}")
+    if head_dim > 256:
+        raise ValueError(f"head_dim={head_dim} is too large for the Triton kernels (<= 256)")
+
+
+def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
+           values: torch.Tensor, scaling: float) -> torch.Tensor:
+    """query [1, Hq, q, D] of the new tokens, keys, values [1, H, q, D] over everything ``row``
+    holds (its blocks read through ``view``) and themselves, causally -> [1, Hq, q, D]."""
+    heads, queries, dim = keys.shape[1], query.shape[2], query.shape[3]
+    rep = query.shape[1] // heads
+    grouped = (query[0].float() * scaling).reshape(heads, rep * queries, dim).contiguous()
+    floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values)] if len(row) else []
+    packed = view is not None and not isinstance(view.keys, torch.Tensor)
+    if view is not None and not packed:  # the `full` method: float blocks
+        floats += [(_held(view.keys, row.lengths), _held(view.values, row.lengths))]
+    partials = [_float_partial(grouped, floats, keys, values, rep, queries)]
+    if packed:
+        check_view(view, dim)
+        partials.insert(0, _packed_partials(grouped, view, row.lengths, row.method.group))
+    out = _merged(partials)  # [H, R, D]
+    return out.reshape(heads * rep, queries, dim)[None].to(query.dtype)
+
+
+def _held(blocks: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Float blocks [n, H, G, D] -> [1, H, tokens, D], each block cut to what it holds."""
+    parts = [blocks[i, :, :held] for i, held in enumerate(lengths)]
+    return torch.cat(parts, dim=1)[None]
+
+
+def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
+    """The float segments and the new tokens: (acc [H, R, D], max [H, R], sum [H, R])."""
+    segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
+    k = torch.cat([s[0][0].float() for s in segments], dim=1)  # [H, T, D]
+    v = torch.cat([s[1][0].float() for s in segments], dim=1)
+    scores = grouped @ k.transpose(1, 2)  # [H, R, T]
+    if queries > 1:  # query i of the new ones sees all but the last q - 1 - i new tokens
+        t = k.shape[1]
+        visible = torch.arange(t, device=k.device)[None] <= (t - queries + torch.arange(
+            queries, device=k.device))[:, None]  # [q, T]
+        scores = scores.masked_fill(~visible.repeat(rep, 1)[None], float("-inf"))
+    top = scores.amax(-1)
+    weights = torch.exp(scores - top[..., None])
+    return weights @ v, top, weights.sum(-1)
+
+
+def _packed_partials(grouped: torch.Tensor, view: KernelView, lengths: list[int], group: int):
+    """The packed blocks through the kernels: (acc [S, H, R, D], max [S, H, R], sum)."""
+    heads, rows, dim = grouped.shape
+    blocks = len(lengths)
+    scores = torch.empty(heads, rows, blocks * group, device=grouped.device)
+    if isinstance(view.keys, ChannelKeys):
+        _channel_scores(grouped, view.keys, scores, group)
+    else:
+        _token_scores_launch(grouped, view.keys, scores, group)
+    splits = max(1, min(blocks, PROGRAMS // heads))
+    per_split = math.ceil(blocks / splits)
+    splits = math.ceil(blocks / per_split)
+    acc = torch.empty(splits, heads, rows, dim, device=grouped.device)
+    top = torch.empty(splits, heads, rows, device=grouped.device)
+    total = torch.empty_like(top)
+    held = torch.tensor(lengths, dtype=torch.int32, device=grouped.device)
+    values = view.values
+    _value_splits[(heads, splits)](
+        scores, values.codes, *_stats(values), held, acc, top,
+        total, blocks, per_split, splits, heads, rows, dim, values.codes.stride(0),
+        row_bytes(values.group, values.bits), _subplane(values.group, values.bits),
+        GROUP=values.group, G=group, BITS=values.bits, SYMMETRIC=values.minimum is None,
+        BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group), BLOCK_D=_pow2(dim))
+    return acc, top, total
+
+
+def _channel_scores(grouped, keys: ChannelKeys, scores, group: int) -> None:
+    """Per-channel keys: the bias, then each plane's codes."""
+    heads, rows, _ = grouped.shape
+    blocks = keys.scale.shape[0]
+    shift = keys.minimum.float() + keys.scale.float() * keys.offset  # [n, H, D]
+    bias = torch.einsum("hrd,nhd->hrn", grouped, shift)
+    scores.copy_(bias.repeat_interleave(group, dim=-1))
+    for plane in keys.planes:
+        channels = plane.index.shape[1]
+        _plane_scores[(blocks, heads)](
+            grouped, plane.codes, plane.index, plane.mult, keys.scale.contiguous(), scores, heads,
+            rows, grouped.shape[2], channels, plane.codes.stride(0), row_bytes(group, plane.bits),
+            _subplane(group, plane.bits), G=group, BITS=plane.bits,
+            BLOCK_R=_pow2(rows), BLOCK_C=_pow2(channels), BLOCK_G=_pow2(group))
+
+
+def _token_scores_launch(grouped, keys: TokenGroups, scores, group: int) -> None:
+    heads, rows, dim = grouped.shape
+    blocks = keys.codes.shape[0]
+    _token_scores[(blocks, heads)](
+        grouped, keys.codes, *_stats(keys), scores, heads, rows,
+        dim, keys.codes.stride(0), row_bytes(keys.group, keys.bits),
+        _subplane(keys.group, keys.bits), GROUP=keys.group, G=group, BITS=keys.bits,
+        SYMMETRIC=keys.minimum is None, BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group),
+        BLOCK_D=_pow2(dim))
+
+
+def _merged(partials) -> torch.Tensor:
+    """Partials (acc [..., H, R, D], max, sum), the first possibly stacked by split -> [H, R, D]
+    through the merge kernel."""
+    acc = torch.cat([a.reshape(-1, *a.shape[-3:]) for a, _, _ in partials])  # [S, H, R, D]
+    top = torch.cat([m.reshape(-1, *m.shape[-2:]) for _, m, _ in partials])  # [S, H, R]
+    total = torch.cat([s.reshape(-1, *s.shape[-2:]) for _, _, s in partials])
+    splits, heads, rows, dim = acc.shape
+    out = torch.empty(heads, rows, dim, device=acc.device)
+    _merge[(heads * rows,)](acc.contiguous(), top.contiguous(), total.contiguous(), out,
+                            splits, heads * rows, dim, BLOCK_S=_pow2(splits),
+                            BLOCK_D=_pow2(dim))
+    return out
+
+
+def _subplane(row: int, bits: int) -> int:
+    """Bytes of a 3-bit row's 2-bit part (where its 1-bit part starts); 0 otherwise."""
+    return row_bytes(row, 2) if bits == 3 else 0
+
+
+def _stats(groups: TokenGroups) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, minimum) contiguous; symmetric groups pass the scale twice (unread)."""
+    scale = groups.scale.contiguous()
+    return scale, scale if groups.minimum is None else groups.minimum.contiguous()
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (max(n, 1) - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _codes(row_start, position, mask, width, low_width, BITS: tl.constexpr):
+        """Codes at ``position`` of packed rows starting at ``row_start`` (row-split order:
+        byte w holds codes w, w + W, ...; a 3-bit row is its 2-bit part, then its 1-bit
+        part)."""
+        if BITS == 3:
+            high_width = width - low_width
+            low = tl.load(row_start + position % low_width, mask=mask, other=0)
+            low = (low >> ((position // low_width) * 2).to(tl.uint8)) & 3
+            high = tl.load(row_start + low_width + position % high_width, mask=mask, other=0)
+            high = (high >> (position // high_width).to(tl.uint8)) & 1
+            return (low | (high << 2)).to(tl.float32)
+        else:
+            byte = tl.load(row_start + position % width, mask=mask, other=0)
+            shift = ((position // width) * BITS).to(tl.uint8)
+            return ((byte >> shift) & ((1 << BITS) - 1)).to(tl.float32)
+
+    @triton.jit
+    def _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
+                    low_width, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                    SYMMETRIC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Dequantized per-token groups of one block and head: [BLOCK_G, BLOCK_D] float32."""
+        t = tl.arange(0, BLOCK_G)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (t < G) & (d < dim)
+        groups = dim // GROUP
+        row = (head * G + t) * groups + d // GROUP  # codes [H, G, D/group, group] per block
+        x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
+                   low_width, BITS)
+        stat = block * heads * G * groups + row
+        step = tl.load(scale + stat, mask=mask, other=0).to(tl.float32)
+        if SYMMETRIC:
+            return (x - (1 << (BITS - 1)) + 0.5) * step
+        else:
+            return tl.load(minimum + stat, mask=mask, other=0).to(tl.float32) + step * x
+
+    @triton.jit
+    def _plane_scores(query, codes, index, mult, scale, scores, heads, rows, dim, channels,
+                      block_bytes, width, low_width, G: tl.constexpr, BITS: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+        """scores[h, r, block·G + t] += Σ_c q[h, r, idx_c]·scale[block, h, idx_c]·mult_c·code"""
+        block, head = tl.program_id(0), tl.program_id(1)
+        c = tl.arange(0, BLOCK_C)
+        t = tl.arange(0, BLOCK_G)
+        r = tl.arange(0, BLOCK_R)
+        has_c, has_t, has_r = c < channels, t < G, r < rows
+        channel = tl.load(index + head * channels + c, mask=has_c, other=0)
+        weight = tl.load(mult + head * channels + c, mask=has_c, other=0.0)
+        weight *= tl.load(scale + (block * heads + head) * dim + channel, mask=has_c,
+                          other=0).to(tl.float32)
+        q = tl.load(query + (head * rows + r[:, None]) * dim + channel[None, :],
+                    mask=has_r[:, None] & has_c[None, :], other=0.0)  # [R, C]
+        mask = has_c[:, None] & has_t[None, :]
+        x = _codes(codes + block * block_bytes + (head * channels + c[:, None]) * width,
+                   t[None, :], mask, width, low_width, BITS)  # [C, G]
+        part = tl.sum((q * weight[None, :])[:, :, None] * x[None, :, :], axis=1)  # [R, G]
+        where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
+            + t[None, :]
+        keep = has_r[:, None] & has_t[None, :]
+        tl.store(where, tl.load(where, mask=keep, other=0.0) + part, mask=keep)
+
+    @triton.jit
+    def _token_scores(query, codes, scale, minimum, scores, heads, rows, dim, block_bytes,
+                      width, low_width, GROUP: tl.constexpr, G: tl.constexpr,
+                      BITS: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """scores[h, r, block·G + t] = q[h, r]·k̂[block, h, t] from per-token key groups."""
+        block, head = tl.program_id(0), tl.program_id(1)
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        t = tl.arange(0, BLOCK_G)
+        q = tl.load(query + (head * rows + r[:, None]) * dim + d[None, :],
+                    mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)  # [R, D]
+        k = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
+                        low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+        part = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [R, G]
+        where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
+            + t[None, :]
+        tl.store(where, part, mask=(r[:, None] < rows) & (t[None, :] < G))
+
+    @triton.jit
+    def _value_splits(scores, codes, scale, minimum, held, acc, top, total, blocks, per_split,
+                      splits, heads, rows, dim, block_bytes, width, low_width,
+                      GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                      SYMMETRIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+        """Online softmax over one split of the blocks and p·V from the value codes."""
+        head, split = tl.program_id(0), tl.program_id(1)
+        r = tl.arange(0, BLOCK_R)
+        t = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, BLOCK_D)
+        has_r = r < rows
+        running = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        mass = tl.zeros([BLOCK_R], tl.float32)
+        out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        first = split * per_split
+        for block in range(first, tl.minimum(first + per_split, blocks)):
+            length = tl.load(held + block)
+            seen = has_r[:, None] & (t[None, :] < length)
+            s = tl.load(scores + (head * rows + r[:, None]) * (blocks * G) + block * G
+                        + t[None, :], mask=seen, other=float("-inf"))  # [R, G]
+            peak = tl.maximum(running, tl.max(s, axis=1))
+            safe = tl.where(peak == float("-inf"), 0.0, peak)
+            p = tl.exp(s - safe[:, None])
+            decay = tl.exp(running - safe)
+            v = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
+                            low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+            out = out * decay[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            mass = mass * decay + tl.sum(p, axis=1)
+            running = peak
+        where = (split * heads + head) * rows + r
+        tl.store(top + where, running, mask=has_r)
+        tl.store(total + where, mass, mask=has_r)
+        tl.store(acc + where[:, None] * dim + d[None, :], out,
+                 mask=has_r[:, None] & (d[None, :] < dim))
+
+    @triton.jit
+    def _merge(acc, top, total, out, splits, rows, dim, BLOCK_S: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+        """out[row] = Σ_s acc_s·e^(m_s − M) / Σ_s l_s·e^(m_s − M), M = max_s m_s."""
+        row = tl.program_id(0)
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        has_s = s < splits
+        m = tl.load(top + s * rows + row, mask=has_s, other=float("-inf"))
+        peak = tl.max(m, axis=0)
+        weight = tl.where(has_s, tl.exp(m - peak), 0.0)
+        mass = tl.sum(tl.load(total + s * rows + row, mask=has_s, other=0.0) * weight, axis=0)
+        parts = tl.load(acc + (s[:, None] * rows + row) * dim + d[None, :],
+                        mask=has_s[:, None] & (d[None, :] < dim), other=0.0)
+        tl.store(out + row * dim + d, tl.sum(parts * weight[:, None], axis=0) / mass,
+                 mask=d < dim)

@@ -1,0 +1,120 @@
+"""The Triton kernels against the torch reference path, in Triton's CPU interpreter where there
+is no GPU (TRITON_INTERPRET=1, set in conftest): every method they serve, GQA, several
+sequences, left padding, crops (ragged blocks), reordered beams, chunked decode, edge lengths
+of sink and residual, every kxvy width; and how the backend is chosen and refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import METHODS, compare_rows, make
+
+from kvmix.runtime.kernels import gpu, interpreting, resolve
+
+pytestmark = pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")
+FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
+        and "backend=" not in m]
+TOLERANCE = 1e-5  # float32
+
+
+def check(cache, count, seed, batch, mask=None):
+    return compare_rows(cache, count, seed, batch, mask, fused=gpu, tolerance=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", FAST)
+def test_the_kernels_match_the_reference_through_a_generation(name):
+    cache = make(name)
+    check(cache, 45, seed=0, batch=2)
+    for step, count in enumerate([1, 5, 1]):  # single and chunked decode
+        check(cache, count, seed=step + 1, batch=2)
+    cache.crop(-13)  # the crop ends inside a block: a ragged last block
+    check(cache, 1, seed=40, batch=2)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    check(cache, 2, seed=41, batch=2)
+    assert len(cache.layers[0].rows[0].lengths) >= 2
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush"])
+@pytest.mark.parametrize("sink, prompt", [(0, 17), (1, 25), (8, 8), (4, 4 + 16 + 8)])
+def test_edge_lengths_of_sink_and_residual(name, sink, prompt):
+    cache = make(name, sink=sink)
+    check(cache, prompt, seed=3, batch=1)
+    check(cache, 1, seed=10, batch=1)
+
+
+def test_left_padded_rows_read_only_their_own_tokens():
+    cache = make("pnmix1")
+    lengths, total = torch.tensor([50, 31]), 50
+    mask = (torch.arange(total)[None] >= total - lengths[:, None])[:, None, None, :]
+    check(cache, total, seed=5, batch=2, mask=mask)
+    grown = torch.cat([mask, torch.ones(2, 1, 1, 1, dtype=torch.bool)], -1)
+    check(cache, 1, seed=20, batch=2, mask=grown)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_every_width_of_kxvy(bits):
+    cache = make(f"kxvy:key_bits={bits},value_bits={ {1: 8, 2: 4, 3: 3, 4: 2, 8: 1}[bits]}")
+    check(cache, 60, seed=bits, batch=1)
+    assert check(cache, 1, seed=100 + bits, batch=1) < TOLERANCE
+
+
+def test_float16_stays_within_1e3():
+    from helpers import tokens
+
+    from kvmix.runtime.kernels import reference
+    from kvmix.runtime.layer import take_pending
+
+    cache = make("kivi2")
+    keys, values, queries = tokens(1, 70, 9, dtype=torch.float16)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    layer.attend(queries, None, 32**-0.5)
+    keys, values, queries = tokens(1, 1, 10, dtype=torch.float16)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    row = layer.rows[0]
+    view = cache.method.kernel_view(row.blocks, 0, row.selection)
+    staged_keys, staged_values = layer.staged
+    fast = gpu.attend(row, view, queries, staged_keys, staged_values, 32**-0.5)
+    exact = reference.attend(row, queries, staged_keys, staged_values, 32**-0.5)
+    assert fast.dtype == torch.float16
+    torch.testing.assert_close(fast, exact, rtol=1e-3, atol=1e-3)
+
+
+def test_triton_needs_cuda_tensors_unless_interpreting(monkeypatch):
+    assert interpreting()
+    assert resolve("triton", "cpu") == "triton"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="backend='triton' is unavailable: Triton runs on CUDA "
+                                         "tensors; the model is on cpu"):
+        resolve("triton", "cpu")
+    assert resolve("auto", "cpu") in ("cpu", "torch")  # auto on CPU never picks Triton
+
+
+def test_unsupported_widths_and_head_dims_are_named():
+    from kvmix.methods import KernelView, TokenGroups
+
+    groups = TokenGroups(torch.zeros(1, 4, dtype=torch.uint8), 5, 32, torch.zeros(1), None)
+    with pytest.raises(ValueError, match="bits=5 has no Triton kernel; valid: 1, 2, 3, 4, 8"):
+        gpu.check_view(KernelView(groups, groups), 64)
+    groups.bits = 2
+    with pytest.raises(ValueError, match="head_dim=512 is too large"):
+        gpu.check_view(KernelView(groups, groups), 512)
+
+
+def test_generate_through_the_triton_backend_gives_the_reference_tokens():
+    from conftest import tiny_llama
+    from helpers import method_string
+
+    import kvmix
+
+    model, method = tiny_llama(seed=2), method_string("pnmix1")
+    prompt = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for backend in ("torch", "triton"):
+        cache = kvmix.make_cache(model, method, backend=backend)
+        assert cache.backend == backend
+        with torch.no_grad():
+            out[backend] = model.generate(prompt, cache=cache, max_new_tokens=12,
+                                          do_sample=False, eos_token_id=None)
+    assert torch.equal(out["torch"], out["triton"])
