@@ -101,12 +101,12 @@ def test_answers_are_scored_by_their_first_number():
 
 def test_needle_grid_rows_and_heatmaps(loaded, tmp_path):
     config = NeedleConfig(methods=["full", method_string("kivi2")], lengths=[400, 500],
-                          depths=[0.2, 0.8], samples=2, kind="kv", out=str(tmp_path))
+                          depths=[0.2, 0.8], samples=2, kind="kv", out=str(tmp_path / "new"))
     rows = run_needle(config, loaded)
     assert [(r["length"], r["depth"]) for r in rows[:4]] == [(400, 0.2), (400, 0.8),
                                                              (500, 0.2), (500, 0.8)]
     assert all(0 <= r["accuracy"] <= 1 and len(r["expected"]) == 2 for r in rows)
-    assert len(list(tmp_path.glob("needle_*.png"))) == 2
+    assert len(list((tmp_path / "new").glob("needle_*.png"))) == 2
 
 
 @pytest.mark.parametrize("config, message", [

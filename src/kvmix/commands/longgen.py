@@ -187,6 +187,7 @@ def _binned(records: list[dict], key: str) -> list[float]:
 
 def _plots(config: LonggenConfig, samples: _Samples) -> list[str]:
     out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
     curves = {m: survival([r["first_divergence"] for r in samples.of(m)], config.new_tokens)
               for m in config.methods}
     first = line_plot(out / "survival.png", curves, "tokens generated",

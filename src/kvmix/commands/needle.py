@@ -106,6 +106,7 @@ def _cells(config: NeedleConfig, tokenizer, filler: list[int]) -> dict:
 
 
 def _heatmap(config: NeedleConfig, rows: list[dict], method: str) -> Path:
+    Path(config.out).mkdir(parents=True, exist_ok=True)
     grid = {(r["length"], r["depth"]): r["accuracy"] for r in rows if r["method"] == method}
     values = [[grid[length, depth] for length in config.lengths] for depth in config.depths]
     return heatmap(Path(config.out) / f"needle_{_filename(method)}.png", values,
