@@ -269,15 +269,15 @@ def test_the_planner_predicts_real_caches_on_the_default_model(real_model, metho
 
 
 def test_harness_scores_continuations_through_the_cache(real_model, prose_ids):
-    """Past its first token (predicted by the prefill) the continuation is scored by decode
-    steps over the quantized cache: exactly what ``score`` gives at chunk 1; with ``full`` it
-    is the plain forward pass."""
+    """The prefill runs up to the token that predicts the continuation's first token; the rest
+    is scored by decode steps over the quantized cache: exactly what ``score`` gives after the
+    same prefill at chunk 1; with ``full`` it is the plain forward pass."""
     harness = pytest.importorskip("kvmix.evaluation.harness")
     tokens = prose_ids[0].tolist()
     kivi = harness.KVMixLM(real_model, "kivi2", chunk=1)
     ours = kivi.continuation_logprobs(tokens, EVAL)  # [EVAL, V]
-    reference = score(real_model.model, prose_ids, "kivi2", CONTEXT, chunk=1).logprobs
-    torch.testing.assert_close(ours[1:], reference[1:], rtol=1e-4, atol=1e-4)
+    reference = score(real_model.model, prose_ids, "kivi2", CONTEXT + 1, chunk=1).logprobs
+    torch.testing.assert_close(ours[1:], reference, rtol=1e-4, atol=1e-4)
     assert 0 < kivi.peak_nbytes < 8 * len(tokens) * 30 * 2 * 3 * 64
     full = harness.KVMixLM(real_model, "full", chunk=7).continuation_logprobs(tokens, EVAL)
     with torch.no_grad():

@@ -130,8 +130,8 @@ def _run(loaded, method, prompts, indices, config, chrf, progress) -> list[dict]
 def _key(config: LonggenConfig) -> dict:
     """What a stored sample must share with this run to be reused."""
     return {"model": config.model, "data": config.data, "new_tokens": config.new_tokens,
-            "prompt_tokens": config.prompt_tokens, "backend": config.backend,
-            "dtype": config.dtype}
+            "prompts": config.prompts, "prompt_tokens": config.prompt_tokens,
+            "backend": config.backend, "dtype": config.dtype}
 
 
 class _Samples:
