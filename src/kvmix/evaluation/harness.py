@@ -44,7 +44,8 @@ class KVMixLM(HFLM):
             pretrained, dtype)
         runner = prepare_model(loaded.model, method)
         make_cache(runner, method, backend)  # the method binds to the model before any work
-        kwargs = {"batch_size": 1, "max_length": max_positions(runner), **kwargs}
+        kwargs = {"batch_size": 1, "max_length": max_positions(runner), "backend": "causal",
+                  **kwargs}
         super().__init__(pretrained=runner, tokenizer=loaded.tokenizer,
                          device=str(runner.device), **kwargs)
         self.method, self.backend, self.chunk = method, backend, chunk
