@@ -44,15 +44,15 @@ class KVMixLM(HFLM):
             pretrained, dtype)
         runner = prepare_model(loaded.model, method)
         make_cache(runner, method, backend)  # the method binds to the model before any work
-        kwargs = {"batch_size": 1, "max_length": max_positions(runner), "backend": "causal",
-                  **kwargs}
+        kwargs = {"batch_size": 1, "max_length": max_positions(runner), **kwargs}
         super().__init__(pretrained=runner, tokenizer=loaded.tokenizer,
                          device=str(runner.device), **kwargs)
-        self.method, self.backend, self.chunk = method, backend, chunk
+        # HFLM's own ``backend`` attribute is "causal"/"seq2seq": kvmix's is ``kv_backend``
+        self.method, self.kv_backend, self.chunk = method, backend, chunk
         self.peak_nbytes = 0
 
     def _fresh_cache(self):
-        return make_cache(self.model, self.method, self.backend)
+        return make_cache(self.model, self.method, self.kv_backend)
 
     def _record(self, cache) -> None:
         self.peak_nbytes = max(self.peak_nbytes, cache.nbytes())
