@@ -59,7 +59,7 @@ def run_needle(config: NeedleConfig, loaded: LoadedModel | None = None) -> list[
         task = bar.add_task("needle", total=len(config.methods) * len(cells))
         for method in config.methods:
             for (length, depth), needles in cells.items():
-                said = answers(loaded.model, method, needles, pad, config.backend, tokenizer)
+                said = answers(loaded.model, tokenizer, method, needles, pad, config.backend)
                 hits = [correct(a, n.answer) for a, n in zip(said, needles, strict=True)]
                 rows.append({"method": method, "length": length, "depth": depth,
                              "accuracy": sum(hits) / len(hits), "answers": said,

@@ -62,8 +62,8 @@ def build(tokenizer, filler: list[int], length: int, depth: float, kind: str,
 
 
 @torch.no_grad()
-def answers(model, method: str, needles: list[Needle], pad: int, backend: str = "auto",
-            tokenizer=None) -> list[str]:
+def answers(model, tokenizer, method: str, needles: list[Needle], pad: int,
+            backend: str = "auto") -> list[str]:
     """Greedy answers (decoded text) of equal-length prompts, batched, through ``method``."""
     runner = prepare_model(model, method)
     ids = torch.tensor([n.ids for n in needles], device=runner.device)  # [B, T]

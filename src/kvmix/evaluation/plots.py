@@ -21,10 +21,7 @@ def line_plot(path: str | Path, series: dict[str, list[float]], xlabel: str, yla
         axes.set_yscale("log")
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save(figure, path)
 
 
 def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
@@ -39,10 +36,7 @@ def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]]
         axes.set_yscale("log")
     axes.grid(alpha=0.3)
     axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save(figure, path)
 
 
 def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xlabel: str,
@@ -63,10 +57,7 @@ def grouped_bars(path: str | Path, panels: dict[str, dict[str, list[float]]], xl
             ax.set_xticks(range(len(ticks)), ticks, rotation=30, ha="right", fontsize=8)
     axes[-1, 0].set(xlabel=xlabel)
     figure.suptitle(title)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save(figure, path)
 
 
 def capacity_plot(path: str | Path, series: dict[str, list[tuple[float, float]]],
@@ -81,10 +72,7 @@ def capacity_plot(path: str | Path, series: dict[str, list[tuple[float, float]]]
     axes.set(xlabel="generated tokens", ylabel="weights + KV + overhead (GB)", title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return Path(path)
+    return _save(figure, path)
 
 
 def heatmap(path: str | Path, values: list[list[float]], columns: list[str], rows: list[str],
@@ -99,6 +87,10 @@ def heatmap(path: str | Path, values: list[list[float]], columns: list[str], row
             axes.text(c, r, f"{value:.2f}", ha="center", va="center", fontsize=9)
     axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
     figure.colorbar(image, ax=axes)
+    return _save(figure, path)
+
+
+def _save(figure, path: str | Path) -> Path:
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)

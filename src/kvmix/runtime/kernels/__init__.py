@@ -31,14 +31,7 @@ def resolve(backend: str, device: torch.device | str) -> str:
             raise ValueError(f"backend='cpu' runs on CPU tensors; the model is on {device} "
                              "(use backend='torch' or 'auto')")
         return "torch"
-    ok, cause = cpu.available()
-    if ok:
-        return "cpu"
-    if backend == "cpu":
-        raise ValueError(f"backend='cpu' is unavailable: {cause}")
-    warnings.warn(f"kvmix's CPU decode op is unavailable, using the reference path: {cause}",
-                  stacklevel=3)
-    return "torch"
+    return _usable(backend, "cpu", *cpu.available(), "CPU decode op")
 
 
 def interpreting() -> bool:
@@ -48,13 +41,18 @@ def interpreting() -> bool:
 
 def _triton(backend: str, device: torch.device) -> str:
     ok, cause = gpu.available()
-    if device.type != "cuda" and not interpreting():
-        cause = f"Triton runs on CUDA tensors; the model is on {device}"
-        ok = False
+    if ok and device.type != "cuda" and not interpreting():
+        ok, cause = False, f"Triton runs on CUDA tensors; the model is on {device}"
+    return _usable(backend, "triton", ok, cause, "Triton kernels")
+
+
+def _usable(backend: str, name: str, ok: bool, cause: str, what: str) -> str:
+    """``name`` when it runs; else an error if it was asked for by name, or the reference path
+    with one warning naming the cause (``auto``)."""
     if ok:
-        return "triton"
-    if backend == "triton":
-        raise ValueError(f"backend='triton' is unavailable: {cause}")
-    warnings.warn(f"kvmix's Triton kernels are unavailable, using the reference path: {cause}",
+        return name
+    if backend == name:
+        raise ValueError(f"backend={name!r} is unavailable: {cause}")
+    warnings.warn(f"kvmix's {what}: unavailable, using the reference path: {cause}",
                   stacklevel=4)
     return "torch"
