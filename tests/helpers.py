@@ -65,11 +65,12 @@ def method_string(name: str, model=None, **layout) -> str:
     return name + ("," if ":" in name else ":") + ",".join(f"{k}={v}" for k, v in layout.items())
 
 
-def make(name: str, **layout) -> KVMixCache:
+def make(name: str, backend: str = "torch", **layout) -> KVMixCache:
     method = parse_method(method_string(name, **layout))
     # values of wush / rotate=values come from a folded model; the layer contract needs none
     fold = method.value_fold(model_spec(LlamaConfig(**TINY)))
-    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None)
+    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None,
+                      backend=backend)
 
 
 def tokens(batch: int, count: int, seed: int, dtype=torch.float16):

@@ -58,6 +58,31 @@ def test_every_width_of_kxvy(bits):
     assert check(cache, 1, seed=100 + bits, batch=1) < TOLERANCE
 
 
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "chanmix", "kxvy:key_bits=3,value_bits=3"])
+def test_blocks_encoded_by_triton_are_the_torch_blocks(name, monkeypatch):
+    from helpers import feed
+
+    from kvmix.core import fused
+    from kvmix.core.tree import tagged_tensors
+
+    calls = []
+    kernel = fused.quantize_codes
+    monkeypatch.setattr(fused, "quantize_codes", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    caches = [make(name, backend=backend) for backend in ("torch", "triton")]
+    for cache in caches:
+        feed(cache, 41, seed=7, batch=2)  # float16 tokens: the prompt flushes blocks
+        feed(cache, 8, seed=8, batch=2)  # decode flushes one more
+    rows = [cache.layers[0].rows for cache in caches]
+    for torch_row, triton_row in zip(*rows, strict=True):
+        assert len(torch_row.lengths) >= 2
+        expected = tagged_tensors(torch_row.blocks, "")
+        got = tagged_tensors(triton_row.blocks, "")
+        assert len(got) == len(expected)
+        for (_, e), (_, g) in zip(expected, got, strict=True):
+            assert torch.equal(e, g)
+    assert len(calls) >= 2 * 2 * 3  # keys and values of every block went through the kernel
+
+
 def test_float16_stays_within_1e3():
     from helpers import tokens
 

@@ -17,13 +17,33 @@ the float16 range.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 
+from kvmix.core import fused
 from kvmix.core.packing import check_bits, pack, unpack
 
 STAT_DTYPE = torch.float16
+_FUSED: ContextVar[bool] = ContextVar("kvmix_fused_encoding", default=False)
+
+
+@contextlib.contextmanager
+def fused_encoding(enabled: bool = True) -> Iterator[None]:
+    """Inside, min-max groups of a shape the Triton encoder serves (``fused.fits``) are
+    quantized and packed by it, bit for bit what the torch path gives; elsewhere, torch."""
+    token = _FUSED.set(enabled)
+    try:
+        yield
+    finally:
+        _FUSED.reset(token)
+
+
+def _fused(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None) -> bool:
+    return _FUSED.get() and valid is None and fused.fits(x, dim, bits)
 
 
 @dataclass
@@ -55,8 +75,13 @@ def quantize(
     ``valid`` (broadcastable to x, bool) marks the elements that may enter the statistics;
     padding positions are excluded. A group with no valid element gets scale 0 and minimum 0.
     """
-    codes, scale, minimum = quantize_codes(x, bits, dim, valid, center)
-    return QuantizedTensor(pack(codes, bits), scale, minimum, tuple(x.shape[1:]), bits, center)
+    check_bits(bits)
+    if dim % x.dim() == x.dim() - 1 and _fused(x, bits, dim, valid):  # a group per row
+        packed, scale, minimum = fused.quantize_codes(x, bits, dim, center, packed=True)
+    else:
+        codes, scale, minimum = quantize_codes(x, bits, dim, valid, center)
+        packed = pack(codes, bits)
+    return QuantizedTensor(packed, scale, minimum, tuple(x.shape[1:]), bits, center)
 
 
 def quantize_codes(
@@ -64,8 +89,12 @@ def quantize_codes(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unpacked codes (uint8, shaped like x) and the float16 scale and minimum (keepdim)."""
     check_bits(bits)
+    if _fused(x, bits, dim, valid):
+        return fused.quantize_codes(x, bits, dim, center, packed=False)
     lo, hi = _group_range(x, dim, valid)
-    levels = 2**bits if center else 2**bits - 1
+    # a tensor divisor: CUDA turns a division by a Python number into a product with its
+    # reciprocal, which can differ in the last bit; this division is IEEE on every device
+    levels = x.new_tensor(2**bits if center else 2**bits - 1)
     # Round the minimum down and the scale up so the stored grid covers [lo, hi]: the error
     # bound (half a stored step) then holds for the float16 statistics actually kept.
     constant = hi == lo

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from kvmix.core.memory import kind_bytes
+from kvmix.core.quantizers import fused_encoding
 from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import formula_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
@@ -110,7 +111,8 @@ class KVMixLayer(CacheLayerMixin):
             rows = slice(b, b + 1)
             k, v, q = keys[rows, :, -new:], values[rows, :, -new:], query[rows, :, -new:]
             out[rows, :, -new:] = self._attend_row(row, q, k, v, scaling)
-            row.append(k, v, q)
+            with fused_encoding(self.backend == "triton"):  # flushed blocks encode on the GPU
+                row.append(k, v, q)
         return out
 
     # -- the cache contract --------------------------------------------------------------------
