@@ -71,21 +71,14 @@ def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: to
     rep = query.shape[1] // heads
     grouped = (query[0].float() * scaling).reshape(heads, rep * queries, dim).contiguous()
     floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values)] if len(row) else []
-    packed = view is not None and not isinstance(view.keys, torch.Tensor)
-    if view is not None and not packed:  # the `full` method: float blocks
-        floats += [(_held(view.keys, row.lengths), _held(view.values, row.lengths))]
     partials = [_float_partial(grouped, floats, keys, values, rep, queries)]
-    if packed:
+    if view is not None:
         check_view(view, dim)
-        partials.insert(0, _packed_partials(grouped, view, row.lengths, row.method.group))
+        precision = "ieee" if query.dtype == torch.float32 else "tf32"
+        partials.insert(0, _packed_partials(grouped, view, row.lengths, row.method.group,
+                                            precision))
     out = _merged(partials)  # [H, R, D]
     return out.reshape(heads * rep, queries, dim)[None].to(query.dtype)
-
-
-def _held(blocks: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Float blocks [n, H, G, D] -> [1, H, tokens, D], each block cut to what it holds."""
-    parts = [blocks[i, :, :held] for i, held in enumerate(lengths)]
-    return torch.cat(parts, dim=1)[None]
 
 
 def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
@@ -104,15 +97,17 @@ def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
     return weights @ v, top, weights.sum(-1)
 
 
-def _packed_partials(grouped: torch.Tensor, view: KernelView, lengths: list[int], group: int):
-    """The packed blocks through the kernels: (acc [S, H, R, D], max [S, H, R], sum)."""
+def _packed_partials(grouped: torch.Tensor, view: KernelView, lengths: list[int], group: int,
+                     precision: str):
+    """The blocks through the kernels: (acc [S, H, R, D], max [S, H, R], sum). Float blocks
+    (the ``full`` method) take the same kernels: the float16 variant of the packed one."""
     heads, rows, dim = grouped.shape
     blocks = len(lengths)
     scores = torch.empty(heads, rows, blocks * group, device=grouped.device)
     if isinstance(view.keys, ChannelKeys):
-        _channel_scores(grouped, view.keys, scores, group)
+        _channel_scores(grouped, view.keys, scores, group, precision)
     else:
-        _token_scores_launch(grouped, view.keys, scores, group)
+        _token_scores_launch(grouped, view.keys, scores, group, precision)
     splits = max(1, min(blocks, PROGRAMS // heads))
     per_split = math.ceil(blocks / splits)
     splits = math.ceil(blocks / per_split)
@@ -120,17 +115,14 @@ def _packed_partials(grouped: torch.Tensor, view: KernelView, lengths: list[int]
     top = torch.empty(splits, heads, rows, device=grouped.device)
     total = torch.empty_like(top)
     held = torch.tensor(lengths, dtype=torch.int32, device=grouped.device)
-    values = view.values
     _value_splits[(heads, splits)](
-        scores, values.codes, *_stats(values), held, acc, top,
-        total, blocks, per_split, splits, heads, rows, dim, values.codes.stride(0),
-        row_bytes(values.group, values.bits), _subplane(values.group, values.bits),
-        GROUP=values.group, G=group, BITS=values.bits, SYMMETRIC=values.minimum is None,
-        BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group), BLOCK_D=_pow2(dim))
+        scores, *_source(view.values, dim), held, acc, top, total, blocks, per_split, splits,
+        heads, rows, dim, G=group, BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group),
+        BLOCK_D=_pow2(dim), PRECISION=precision)
     return acc, top, total
 
 
-def _channel_scores(grouped, keys: ChannelKeys, scores, group: int) -> None:
+def _channel_scores(grouped, keys: ChannelKeys, scores, group: int, precision: str) -> None:
     """Per-channel keys: the bias, then each plane's codes."""
     heads, rows, _ = grouped.shape
     blocks = keys.scale.shape[0]
@@ -142,19 +134,29 @@ def _channel_scores(grouped, keys: ChannelKeys, scores, group: int) -> None:
         _plane_scores[(blocks, heads)](
             grouped, plane.codes, plane.index, plane.mult, keys.scale.contiguous(), scores, heads,
             rows, grouped.shape[2], channels, plane.codes.stride(0), row_bytes(group, plane.bits),
-            _subplane(group, plane.bits), G=group, BITS=plane.bits,
-            BLOCK_R=_pow2(rows), BLOCK_C=_pow2(channels), BLOCK_G=_pow2(group))
+            _subplane(group, plane.bits), G=group, BITS=plane.bits, BLOCK_R=_pow2(rows),
+            BLOCK_C=_pow2(channels), BLOCK_G=_pow2(group), PRECISION=precision)
 
 
-def _token_scores_launch(grouped, keys: TokenGroups, scores, group: int) -> None:
+def _token_scores_launch(grouped, keys: TokenGroups | torch.Tensor, scores, group: int,
+                         precision: str) -> None:
     heads, rows, dim = grouped.shape
-    blocks = keys.codes.shape[0]
+    blocks = keys.shape[0] if isinstance(keys, torch.Tensor) else keys.codes.shape[0]
     _token_scores[(blocks, heads)](
-        grouped, keys.codes, *_stats(keys), scores, heads, rows,
-        dim, keys.codes.stride(0), row_bytes(keys.group, keys.bits),
-        _subplane(keys.group, keys.bits), GROUP=keys.group, G=group, BITS=keys.bits,
-        SYMMETRIC=keys.minimum is None, BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group),
-        BLOCK_D=_pow2(dim))
+        grouped, *_source(keys, dim), scores, heads, rows, dim, G=group,
+        BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group), BLOCK_D=_pow2(dim), PRECISION=precision)
+
+
+def _source(groups: TokenGroups | torch.Tensor, dim: int) -> tuple:
+    """A per-token tile source as the kernels take it: codes, scale, minimum, block bytes,
+    row width, 3-bit split, then GROUP, BITS, SYMMETRIC. Float blocks [n, H, G, D] are
+    BITS=16 (their own ``codes``; statistics unread)."""
+    if isinstance(groups, torch.Tensor):
+        blocks = groups.contiguous()
+        return blocks, blocks, blocks, 0, 0, 0, dim, 16, False
+    return (groups.codes, *_stats(groups), groups.codes.stride(0),
+            row_bytes(groups.group, groups.bits), _subplane(groups.group, groups.bits),
+            groups.group, groups.bits, groups.minimum is None)
 
 
 def _merged(partials) -> torch.Tensor:
@@ -209,10 +211,14 @@ if triton is not None:
     def _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
                     low_width, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
                     SYMMETRIC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
-        """Dequantized per-token groups of one block and head: [BLOCK_G, BLOCK_D] float32."""
+        """Dequantized per-token groups of one block and head: [BLOCK_G, BLOCK_D] float32;
+        BITS=16: a tile of float blocks [n, H, G, D]."""
         t = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (t < G) & (d < dim)
+        if BITS == 16:
+            at = ((block * heads + head) * G + t) * dim + d
+            return tl.load(codes + at, mask=mask, other=0).to(tl.float32)
         groups = dim // GROUP
         row = (head * G + t) * groups + d // GROUP  # codes [H, G, D/group, group] per block
         x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
@@ -227,7 +233,8 @@ if triton is not None:
     @triton.jit
     def _plane_scores(query, codes, index, mult, scale, scores, heads, rows, dim, channels,
                       block_bytes, width, low_width, G: tl.constexpr, BITS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
+                      PRECISION: tl.constexpr):
         """scores[h, r, block·G + t] += Σ_c q[h, r, idx_c]·scale[block, h, idx_c]·mult_c·code"""
         block, head = tl.program_id(0), tl.program_id(1)
         c = tl.arange(0, BLOCK_C)
@@ -243,17 +250,17 @@ if triton is not None:
         mask = has_c[:, None] & has_t[None, :]
         x = _codes(codes + block * block_bytes + (head * channels + c[:, None]) * width,
                    t[None, :], mask, width, low_width, BITS)  # [C, G]
-        part = tl.sum((q * weight[None, :])[:, :, None] * x[None, :, :], axis=1)  # [R, G]
+        part = tl.dot(q * weight[None, :], x, input_precision=PRECISION)  # [R, G]
         where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
             + t[None, :]
         keep = has_r[:, None] & has_t[None, :]
         tl.store(where, tl.load(where, mask=keep, other=0.0) + part, mask=keep)
 
     @triton.jit
-    def _token_scores(query, codes, scale, minimum, scores, heads, rows, dim, block_bytes,
-                      width, low_width, GROUP: tl.constexpr, G: tl.constexpr,
-                      BITS: tl.constexpr, SYMMETRIC: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _token_scores(query, codes, scale, minimum, block_bytes, width, low_width,
+                      GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, scores,
+                      heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         """scores[h, r, block·G + t] = q[h, r]·k̂[block, h, t] from per-token key groups."""
         block, head = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
@@ -263,17 +270,17 @@ if triton is not None:
                     mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)  # [R, D]
         k = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
                         low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
-        part = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [R, G]
+        part = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
         where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
             + t[None, :]
         tl.store(where, part, mask=(r[:, None] < rows) & (t[None, :] < G))
 
     @triton.jit
-    def _value_splits(scores, codes, scale, minimum, held, acc, top, total, blocks, per_split,
-                      splits, heads, rows, dim, block_bytes, width, low_width,
-                      GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                      SYMMETRIC: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
+    def _value_splits(scores, codes, scale, minimum, block_bytes, width, low_width,
+                      GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, held,
+                      acc, top, total, blocks, per_split, splits, heads, rows, dim,
+                      G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                      BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         """Online softmax over one split of the blocks and p·V from the value codes."""
         head, split = tl.program_id(0), tl.program_id(1)
         r = tl.arange(0, BLOCK_R)
@@ -295,7 +302,7 @@ if triton is not None:
             decay = tl.exp(running - safe)
             v = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
                             low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
-            out = out * decay[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            out = out * decay[:, None] + tl.dot(p, v, input_precision=PRECISION)
             mass = mass * decay + tl.sum(p, axis=1)
             running = peak
         where = (split * heads + head) * rows + r
