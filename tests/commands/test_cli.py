@@ -20,6 +20,9 @@ def test_methods_lists_every_method_and_preset(capsys):
     (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
     (["bench", "--prompt", "1024,x"], "prompt='1024,x' is invalid; expected comma-separated int"),
     (["bench", "--rounds", "0"], "rounds=0 is invalid; expected >= 1"),
+    (["bench", "--shape", "32,5,128"], "shape='32,5,128' is invalid; expected positive heads"),
+    (["bench", "--shape", "32,8"], "shape='32,8' is invalid; expected HEADS,KV_HEADS,HEAD_DIM"),
+    (["bench", "--shape", "4,2,32", "--batch", "0"], "batch=[0] is invalid; expected values"),
 ])
 def test_compare_rejects_bad_input_before_loading_the_model(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -50,3 +53,25 @@ def test_unknown_data_and_short_text_are_clear_errors(tmp_path):
 
     with pytest.raises(ValueError, match="has 3 tokens; 10 are needed"):
         token_ids(Tok(), "a b c", 10)
+
+
+def test_the_op_bench_times_synthetic_caches_beside_sdpa_and_the_float_kernel(tmp_path):
+    import json
+
+    from kvmix.evaluation.jobs import DEFAULT_MODEL
+
+    main(["bench", "--shape", "4,2,32", "--context", "1200", "--batch", "1,2", "--methods",
+          "kivi2,pnmix1", "--backend", "torch", "--new-tokens", "2", "--rounds", "2",
+          "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["method"], r["batch"]): r for r in results["rows"]}
+    assert set(rows) == {(m, b) for m in ("sdpa", "full", "kivi2", "pnmix1") for b in (1, 2)}
+    assert results["model"]["shape"] == {"heads": 4, "kv_heads": 2, "head_dim": 32}
+    assert results["model"]["name"] != DEFAULT_MODEL and "versions" in results
+    for batch in (1, 2):  # float32 K/V of 1,200 tokens, 2 heads × 32, per sequence, for SDPA
+        assert rows["sdpa", batch]["nbytes"] is None
+        full, kivi = rows["full", batch]["nbytes"], rows["kivi2", batch]["nbytes"]
+        assert full >= batch * 2 * 1200 * 2 * 32 * 4 and kivi < full / 4
+        assert all(r["us_per_step"] > 0 and r["gb_per_s"] > 0 for r in results["rows"])
+        assert rows["kivi2", batch]["encode_us"] > 0
+    assert rows["kivi2", 2]["nbytes"] > 1.9 * rows["kivi2", 1]["nbytes"]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers import METHODS, SINK, B, D, expected_layout, feed, make, tokens
+from helpers import METHODS, SINK, B, D, attend, expected_layout, feed, make, tokens
 
 from kvmix.core.memory import reachable_bytes
 from kvmix.core.tree import map_tensors, tagged_tensors
@@ -169,3 +169,22 @@ def test_no_view_pins_the_prompt(name):
 
 def _tensors(obj) -> list[torch.Tensor]:
     return [t for _, t in tagged_tensors(obj, "")]
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush"])
+def test_fill_commits_what_attention_commits(name):
+    """``KVMixLayer.fill`` (synthetic histories for the op benchmark) stores exactly what the
+    update-and-attend path stores."""
+    attended, filled = make(name), make(name)
+    keys, values, queries = tokens(2, 45, seed=3, dtype=torch.float32)
+    attended.update(keys, values, 0)
+    attend(attended, queries)
+    filled.layers[0].fill(keys, values, queries)
+    assert filled.get_seq_length() == attended.get_seq_length() == 45
+    for a, f in zip(attended.layers[0].rows, filled.layers[0].rows, strict=True):
+        assert a.lengths == f.lengths and len(a.lengths) >= 2
+        for part in ("sink_keys", "res_keys", "res_values"):
+            assert torch.equal(getattr(a, part), getattr(f, part))
+        for (_, x), (_, y) in zip(tagged_tensors(a.blocks, ""), tagged_tensors(f.blocks, ""),
+                                  strict=True):
+            assert torch.equal(x, y)

@@ -12,6 +12,10 @@ use just before the cache was made, ``peak_bytes`` that plus the largest rise wh
 (what a step materialises: a float history, a concatenation); ``nbytes`` is
 what the cache itself reports (for transformers' caches, the storages reachable from them).
 ``select_s`` is the prefill time spent in channel selection (PN-Mix, Kitty, ChanMix).
+
+``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches of
+``--context`` tokens for ``--batch`` sequences, beside float SDPA and the float variant of the
+same kernels (``kvmix.evaluation.opbench``); no model is loaded.
 Timings are wall-clock on this machine; they belong here, never in pass/fail tests.
 """
 
@@ -31,12 +35,13 @@ from rich.progress import Progress
 
 from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.core.memory import reachable_bytes
+from kvmix.evaluation import opbench
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
 from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.report import console
+from kvmix.evaluation.report import console, print_table, write_results
 from kvmix.evaluation.resources import PeakMemory, heap_bytes
 from kvmix.methods import parse_method
-from kvmix.models.loading import LoadedModel
+from kvmix.models.loading import LoadedModel, resolve_dtype
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.baselines import BASELINES, transformers_cache
 from kvmix.runtime.folding import prepare_model
@@ -46,6 +51,10 @@ COLUMNS = {"method": "method", "backend": "backend", "prompt": "prompt",
            "prefill_s": "prefill s", "select_s": "select s", "tokens_per_s": "tokens/s",
            "vs_dynamic": "vs dynamic", "ms_per_token": "ms/token", "nbytes": "cache bytes",
            "peak_bytes": "peak Δ", "steady_bytes": "steady Δ"}
+OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "batch": "batch",
+              "us_per_step": "µs/layer-step", "gb_per_s": "GB/s", "vs_sdpa": "vs SDPA",
+              "vs_float_kernel": "vs float kernel", "nbytes": "cache bytes",
+              "encode_us": "encode µs/block"}
 
 
 @dataclass
@@ -57,6 +66,9 @@ class BenchConfig(JobConfig):
     warmup: int = 4
     rounds: int = 4
     backend: list[str] = field(default_factory=lambda: ["auto"])
+    shape: str | None = None
+    context: list[int] = field(default_factory=lambda: [16384])
+    batch: list[int] = field(default_factory=lambda: [1])
 
 
 def add_parser(commands) -> None:
@@ -73,11 +85,18 @@ def add_parser(commands) -> None:
                         help="timing rounds; every cache decodes new_tokens/rounds per round")
     parser.add_argument("--backend", default="auto",
                         help=f"kvmix backends to run, e.g. torch,cpu ({', '.join(BACKENDS)})")
+    parser.add_argument("--shape", default=None,
+                        help="HEADS,KV_HEADS,HEAD_DIM: time the attention op alone on synthetic "
+                             "caches of this shape (e.g. 32,8,128), no model")
+    parser.add_argument("--context", default="16384", help="--shape: tokens per sequence")
+    parser.add_argument("--batch", default="1", help="--shape: sequences, e.g. 1,8")
     parser.set_defaults(run=lambda args: run_bench(config_from(BenchConfig, args)))
 
 
 def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[dict]:
     _check(config)
+    if config.shape:
+        return _run_shape(config)
     loaded, ids = load_inputs(config, max(config.prompt), loaded)
     backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
     builds = [(b, "-", partial(_baseline, b)) for b in config.baselines]
@@ -108,13 +127,36 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
     return rows
 
 
+def _run_shape(config: BenchConfig) -> list[dict]:
+    shape, device = opbench.Shape.parse(config.shape), torch.device(config.device)
+    backends = list(dict.fromkeys(resolve(b, device) for b in config.backend))
+    dtype = resolve_dtype(config.dtype, device.type)
+    steps = -(-config.new_tokens // config.rounds)
+    rows = [row for backend in backends for row in opbench.run(
+        shape, config.methods, backend, config.context, config.batch, dtype, device, steps,
+        config.rounds)]
+    name = f"synthetic {shape.heads}q/{shape.kv_heads}kv×{shape.head_dim}"
+    info = {"name": name, "dtype": str(dtype).removeprefix("torch."), "shape": vars(shape)}
+    print_table(f"kvmix bench · {name} · {device} · {dtype} · {config.rounds} rounds of "
+                f"{steps} layer-steps", rows, OP_COLUMNS)
+    if config.out:
+        path = write_results(config.out, "bench", config, rows, model=info, device=str(device),
+                             gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
+                             else None, threads=torch.get_num_threads())
+        console.print(f"wrote {path}")
+    return rows
+
+
 def _check(config: BenchConfig) -> None:
     """Bad input fails before the model loads."""
     for name, least in (("new_tokens", 1), ("warmup", 0), ("rounds", 1)):
         if getattr(config, name) < least:
             raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= {least}")
-    if not config.prompt or min(config.prompt) < 1:
-        raise ValueError(f"prompt={config.prompt} is invalid; expected lengths >= 1")
+    for name in ("prompt", "context", "batch"):
+        if not getattr(config, name) or min(getattr(config, name)) < 1:
+            raise ValueError(f"{name}={getattr(config, name)} is invalid; expected values >= 1")
+    if config.shape:
+        opbench.Shape.parse(config.shape)
     unknown = sorted(set(config.baselines) - set(BASELINES))
     if unknown:
         raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}")

@@ -111,9 +111,26 @@ class KVMixLayer(CacheLayerMixin):
             rows = slice(b, b + 1)
             k, v, q = keys[rows, :, -new:], values[rows, :, -new:], query[rows, :, -new:]
             out[rows, :, -new:] = self._attend_row(row, q, k, v, scaling)
-            with fused_encoding(self.backend == "triton"):  # flushed blocks encode on the GPU
-                row.append(k, v, q)
+            self._commit(row, k, v, q)
         return out
+
+    def fill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
+        """Commit tokens without attending — a synthetic history for benchmarks of the
+        attention op: keys, values [B, H, T, D], queries [B, Hq, T, D] (for selection)."""
+        if not self.is_initialized:
+            self.lazy_initialization(keys, values)
+        check_finite(keys, values, self.layer_idx)
+        keys = self.method.transform_keys(keys, self.layer_idx)
+        queries = self.method.transform_queries(queries, self.layer_idx)
+        self.length += keys.shape[-2]
+        for b, row in enumerate(self.rows):
+            rows = slice(b, b + 1)
+            self._commit(row, keys[rows], values[rows], queries[rows])
+
+    def _commit(self, row: RowStore, keys: torch.Tensor, values: torch.Tensor,
+                queries: torch.Tensor) -> None:
+        with fused_encoding(self.backend == "triton"):  # flushed blocks encode on the GPU
+            row.append(keys, values, queries)
 
     # -- the cache contract --------------------------------------------------------------------
 
