@@ -73,18 +73,20 @@ def make(name: str, backend: str = "torch", **layout) -> KVMixCache:
                       backend=backend)
 
 
-def tokens(batch: int, count: int, seed: int, dtype=torch.float16):
+def tokens(batch: int, count: int, seed: int, dtype=torch.float16, device="cpu"):
     """Random keys, values [batch, H, count, D] and queries [batch, HQ, count, D]."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(batch, H, count, D, generator=g).to(dtype) * 3 + 1
     values = torch.randn(batch, H, count, D, generator=g).to(dtype)
-    return keys, values, torch.randn(batch, HQ, count, D, generator=g).to(dtype)
+    queries = torch.randn(batch, HQ, count, D, generator=g).to(dtype)
+    return keys.to(device), values.to(device), queries.to(device)
 
 
-def feed(cache: KVMixCache, count: int, seed: int = 0, batch: int = B) -> torch.Tensor:
+def feed(cache: KVMixCache, count: int, seed: int = 0, batch: int = B,
+         device="cpu") -> torch.Tensor:
     """Drive layer 0 as a model does: update, then the attention hook's attend (which commits).
     Returns the attention output [batch, HQ, count, D]."""
-    keys, values, queries = tokens(batch, count, seed + cache.get_seq_length())
+    keys, values, queries = tokens(batch, count, seed + cache.get_seq_length(), device=device)
     cache.update(keys, values, 0)
     layer = take_pending()
     queries = cache.method.transform_queries(queries, 0)
@@ -112,14 +114,15 @@ def per_row(layer, fn) -> torch.Tensor:
 
 
 def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None,
-                 tolerance: float = 1e-5) -> float:
+                 tolerance: float = 1e-5, device="cpu") -> float:
     """Stage ``count`` tokens and compare a fused op (``fused``: a kernels module, the CPU op by
     default) with the reference on every row before the layer attends (and commits); returns
     the worst relative error."""
     from kvmix.runtime.kernels import cpu, reference
 
     fused = fused or cpu
-    keys, values, queries = tokens(batch, count, seed, dtype=torch.float32)
+    keys, values, queries = tokens(batch, count, seed, dtype=torch.float32, device=device)
+    mask = None if mask is None else mask.to(device)
     cache.update(keys, values, 0)
     layer = take_pending()
     queries = cache.method.transform_queries(queries, 0)

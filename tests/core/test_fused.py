@@ -12,6 +12,7 @@ from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding, quantize, quantize_codes
 
 pytestmark = pytest.mark.skipif(fused.triton is None, reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
 
 
 def hard_groups(dtype: torch.dtype) -> torch.Tensor:
@@ -22,7 +23,7 @@ def hard_groups(dtype: torch.dtype) -> torch.Tensor:
     x[0, 1, 0, :] = -2.0  # a constant group along the channels
     x[1, 0, :, :4] = torch.linspace(-3e-8, 2e-8, 16)[:, None]  # near zero: -0, subnormals
     x[1, 1, 3, :] = torch.linspace(-6e4, 6e4, 32)  # near the float16 limits
-    return x.to(dtype)
+    return x.to(dtype).to(DEVICE)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -50,7 +51,7 @@ def test_packed_blocks_are_the_torch_encoders(bits):
 
 
 def test_shapes_the_kernel_does_not_tile_stay_on_torch():
-    x = torch.randn(1, 2, 12, 32)
+    x = torch.randn(1, 2, 12, 32, device=DEVICE)
     assert not fused.fits(x, -2, 2)  # 12 tokens: not a power of two
     assert not fused.fits(x, -1, 5) and fused.fits(x, -1, 2)
     with fused_encoding():

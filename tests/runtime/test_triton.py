@@ -15,10 +15,12 @@ pytestmark = pytest.mark.skipif(not gpu.available()[0], reason="Triton is not in
 FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
         and "backend=" not in m]
 TOLERANCE = 1e-5  # float32
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
 
 
 def check(cache, count, seed, batch, mask=None):
-    return compare_rows(cache, count, seed, batch, mask, fused=gpu, tolerance=TOLERANCE)
+    return compare_rows(cache, count, seed, batch, mask, fused=gpu, tolerance=TOLERANCE,
+                        device=DEVICE)
 
 
 @pytest.mark.parametrize("name", FAST)
@@ -29,7 +31,7 @@ def test_the_kernels_match_the_reference_through_a_generation(name):
         check(cache, count, seed=step + 1, batch=2)
     cache.crop(-13)  # the crop ends inside a block: a ragged last block
     check(cache, 1, seed=40, batch=2)
-    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
     check(cache, 2, seed=41, batch=2)
     assert len(cache.layers[0].rows[0].lengths) >= 2
 
@@ -70,8 +72,8 @@ def test_blocks_encoded_by_triton_are_the_torch_blocks(name, monkeypatch):
     monkeypatch.setattr(fused, "quantize_codes", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     caches = [make(name, backend=backend) for backend in ("torch", "triton")]
     for cache in caches:
-        feed(cache, 41, seed=7, batch=2)  # float16 tokens: the prompt flushes blocks
-        feed(cache, 8, seed=8, batch=2)  # decode flushes one more
+        feed(cache, 41, seed=7, batch=2, device=DEVICE)  # float16 tokens: the prompt flushes blocks
+        feed(cache, 8, seed=8, batch=2, device=DEVICE)  # decode flushes one more
     rows = [cache.layers[0].rows for cache in caches]
     for torch_row, triton_row in zip(*rows, strict=True):
         assert len(torch_row.lengths) >= 2
@@ -90,11 +92,11 @@ def test_float16_stays_within_1e3():
     from kvmix.runtime.layer import take_pending
 
     cache = make("kivi2")
-    keys, values, queries = tokens(1, 70, 9, dtype=torch.float16)
+    keys, values, queries = tokens(1, 70, 9, dtype=torch.float16, device=DEVICE)
     cache.update(keys, values, 0)
     layer = take_pending()
     layer.attend(queries, None, 32**-0.5)
-    keys, values, queries = tokens(1, 1, 10, dtype=torch.float16)
+    keys, values, queries = tokens(1, 1, 10, dtype=torch.float16, device=DEVICE)
     cache.update(keys, values, 0)
     layer = take_pending()
     row = layer.rows[0]
@@ -106,6 +108,7 @@ def test_float16_stays_within_1e3():
     torch.testing.assert_close(fast, exact, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's case")
 def test_triton_needs_cuda_tensors_unless_interpreting(monkeypatch):
     assert interpreting()
     assert resolve("triton", "cpu") == "triton"
@@ -133,8 +136,9 @@ def test_generate_through_the_triton_backend_gives_the_reference_tokens():
 
     import kvmix
 
-    model, method = tiny_llama(seed=2), method_string("pnmix1")
+    model, method = tiny_llama(seed=2).to(DEVICE), method_string("pnmix1")
     prompt = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    prompt = prompt.to(DEVICE)
     out = {}
     for backend in ("torch", "triton"):
         cache = kvmix.make_cache(model, method, backend=backend)
