@@ -12,7 +12,7 @@ from transformers import LlamaConfig
 
 from kvmix.core.transforms import TransformSet, save_transforms
 from kvmix.evaluation.calibration import collect_moments, compute_transforms
-from kvmix.methods import method_names, parse_method
+from kvmix.methods import method_classes, method_names, parse_method, presets
 from kvmix.runtime.cache import KVMixCache, model_spec
 from kvmix.runtime.layer import take_pending
 
@@ -22,6 +22,14 @@ METHODS = [*(m for m in method_names() if m != "wush"), "wush", "wush:quantizer=
            "wush:transform=hadamard", "pnmix:selection=online", "pnmix:criterion=key_range",
            "kxvy:rotate=values", "kxvy:rotate=keys", "kxvy:backend=hqq,key_bits=4,value_bits=1",
            "kxvy:backend=quanto,key_bits=2,value_bits=4"]
+def _class_of(name: str):
+    base = name.partition(":")[0]
+    return presets()[base][0] if base in presets() else method_classes()[base]
+
+
+# methods with a fused path, as the registry declares it (less the configurations that fall back)
+FAST = [m for m in METHODS if not m.startswith("pnmix:selection=online") and "backend=" not in m
+        and not _class_of(m).fast_path.startswith("reference only")]
 PAIRS = torch.stack([torch.arange(D // 2), torch.arange(D // 2, D)], 1)  # Llama's rotate_half
 
 

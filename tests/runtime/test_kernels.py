@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HQ, METHODS, D, compare_rows, make, method_string
+from helpers import FAST, HQ, D, compare_rows, make, method_string
 
 import kvmix
 from kvmix.methods import method_classes
 from kvmix.runtime.kernels import cpu, resolve
 
-FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
-        and "backend=" not in m]
 SCALE = D**-0.5
 
 

@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import METHODS, compare_rows, make
+from helpers import FAST, compare_rows, make
 
 from kvmix.runtime.kernels import gpu, interpreting, resolve
 
 pytestmark = pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")
-FAST = [m for m in METHODS if not m.startswith(("polar", "pnmix:selection=online"))
-        and "backend=" not in m]
 TOLERANCE = 1e-5  # float32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
 

@@ -1,0 +1,75 @@
+"""Engine-format methods: ``ggml`` bit for bit against gguf-py's implementation of llama.cpp's
+quantizers (the reference its maintainers test against the C code), in llama.cpp's channel
+order; block bytes as the engine stores them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from helpers import PAIRS, make, tokens
+
+from kvmix.methods.ggml import FORMATS, dequantize_blocks, format_bits, quantize_blocks
+
+TYPES = {name: getattr(GGMLQuantizationType, name.upper()) for name in FORMATS}
+
+
+def engine(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """What llama.cpp stores for ``x`` [..., D] and reads back (float32)."""
+    kind = TYPES[kind]
+    return torch.from_numpy(quants.dequantize(quants.quantize(x.numpy(), kind), kind))
+
+
+def values_of_every_scale() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 5, 64, generator=g) * torch.tensor([1e-3, 1.0, 60.0])[:, None, None]
+    x[0, 0, 0, :32] = 0.25  # a constant block
+    x[0, 0, 1, :32] = 0.0  # an all-zero block: scale 0
+    x[1, 1, 2, 5] = -x[1, 1, 2, :32].abs().max()  # ties of magnitude: the first one counts
+    x[1, 1, 2, 9] = -x[1, 1, 2, 5]
+    return x
+
+
+@pytest.mark.parametrize("kind", list(FORMATS))
+def test_blocks_are_llama_cpp_blocks(kind):
+    x = values_of_every_scale()
+    stored = quantize_blocks(x, kind)
+    rows = stored[:, None] if kind == "f16" else type(stored)(
+        *(None if t is None else t[:, None] for t in (stored.codes, stored.scale,
+                                                       stored.minimum)))
+    got = dequantize_blocks(rows, kind, tuple(x.shape[1:]), torch.float32)[:, 0]
+    assert torch.equal(got, engine(x, kind))
+    if kind != "f16":  # codes and statistics take what the engine's block takes
+        kept = stored.codes.nbytes + stored.scale.nbytes + (
+            0 if stored.minimum is None else stored.minimum.nbytes)
+        engine_bytes = len(quants.quantize(x.numpy(), TYPES[kind]).tobytes())
+        assert kept == engine_bytes == x.numel() * format_bits(kind) / 8
+
+
+def test_the_cache_stores_keys_in_the_engines_channel_order():
+    cache = make("ggml:k=q4_0,v=q5_1", sink=0, residual=8, group=8)
+    keys, values, queries = tokens(1, 16, seed=2, dtype=torch.float32)
+    cache.update(keys, values, 0)
+    from helpers import attend
+
+    attend(cache, queries)
+    row = cache.layers[0].rows[0]
+    decoded_keys, decoded_values = row.decode_blocks(torch.float32)  # [1, H, 16, D]
+    assert decoded_keys.shape[2] == 16  # every token in blocks: no float residual is left
+    interleaved = PAIRS.flatten()  # llama.cpp's order for Llama GGUF files
+    expected = engine(keys[..., interleaved], "q4_0")[..., interleaved.argsort()]
+    assert torch.equal(decoded_keys, expected)
+    assert torch.equal(decoded_values, engine(values, "q5_1"))
+    in_model_order = engine(keys, "q4_0")
+    assert not torch.equal(decoded_keys, in_model_order)  # the order matters
+
+
+def test_unknown_types_are_named_with_the_valid_ones():
+    from kvmix.methods import parse_method
+
+    with pytest.raises(ValueError, match="k='iq4_nl' is invalid; valid: f16, q8_0"):
+        parse_method("ggml:k=iq4_nl")
+    with pytest.raises(ValueError, match="key_order='x' is invalid; valid: pairs, model"):
+        parse_method("ggml:key_order=x")
+    assert np.isclose(format_bits("q4_1"), 5.0)
