@@ -61,8 +61,27 @@ def test_the_cache_stores_keys_in_the_engines_channel_order():
     expected = engine(keys[..., interleaved], "q4_0")[..., interleaved.argsort()]
     assert torch.equal(decoded_keys, expected)
     assert torch.equal(decoded_values, engine(values, "q5_1"))
-    in_model_order = engine(keys, "q4_0")
-    assert not torch.equal(decoded_keys, in_model_order)  # the order matters
+
+
+def test_key_blocks_follow_the_engines_channel_order():
+    from kvmix.core.tree import map_tensors
+    from kvmix.methods import Blocks, ModelSpec, parse_method
+
+    dim = 64  # two blocks of 32 per head: the order decides which channels share a scale
+    pairs = torch.stack([torch.arange(dim // 2), torch.arange(dim // 2, dim)], 1)
+    keys = torch.randn(1, 2, 4, dim, generator=torch.Generator().manual_seed(3))
+    keys[..., dim // 2:] *= 20  # the second half of the channels is larger
+    decoded = {}
+    for order in ("pairs", "model"):
+        method = parse_method(f"ggml:k=q4_0,v=f16,key_order={order},residual=4,group=4")
+        method.bind(ModelSpec(1, 2, 2, dim, pairs))
+        stored = map_tensors(Blocks(*method.encode(keys, keys, 0, None)), lambda t: t[:, None])
+        decoded[order] = method.decode(stored, 0, None, torch.float32)[0][:, 0]
+    interleaved = pairs.flatten()
+    assert torch.equal(decoded["pairs"], engine(keys[..., interleaved], "q4_0")[
+        ..., interleaved.argsort()])
+    assert torch.equal(decoded["model"], engine(keys, "q4_0"))
+    assert not torch.equal(decoded["pairs"], decoded["model"])
 
 
 def test_unknown_types_are_named_with_the_valid_ones():
