@@ -92,3 +92,49 @@ def test_unknown_types_are_named_with_the_valid_ones():
     with pytest.raises(ValueError, match="key_order='x' is invalid; valid: pairs, model"):
         parse_method("ggml:key_order=x")
     assert np.isclose(format_bits("q4_1"), 5.0)
+
+
+def fp8_roundtrip(x: torch.Tensor, **options) -> torch.Tensor:
+    """x [1, H, T, D] through an fp8 method: scales from x itself (the prompt), then blocks."""
+    from kvmix.core.tree import map_tensors
+    from kvmix.methods import Blocks, ModelSpec, parse_method
+
+    text = ",".join(f"{k}={v}" for k, v in options.items())
+    method = parse_method(f"fp8:{text},residual={x.shape[2]},group={x.shape[2]}")
+    method.bind(ModelSpec(1, x.shape[1], x.shape[1], x.shape[3]))
+    scales = method.select(x, x, 0, x)
+    stored = map_tensors(Blocks(*method.encode(x, x, 0, scales)), lambda t: t[:, None])
+    return method.decode(stored, 0, scales, torch.float32)[0][:, 0]
+
+
+def test_fp8_scales_put_each_heads_largest_value_at_the_formats_largest_code():
+    x = torch.randn(1, 2, 16, 32, generator=torch.Generator().manual_seed(4))
+    x[:, 1] *= 1e4  # heads of very different ranges: one scale drives head 0 subnormal
+    per_head = fp8_roundtrip(x, scale="head")
+    amax = x.abs().amax(dim=(2, 3))
+    torch.testing.assert_close(per_head.abs().amax(dim=(2, 3)), amax)
+    relative = ((per_head - x).abs() / x.abs()).amax(dim=(2, 3))
+    for head in range(2):  # e4m3 keeps 3 mantissa bits: a relative error under 2^-4 for
+        big = x[0, head].abs() > amax[0, head] / 64  # values in the normal range
+        assert ((per_head - x).abs()[0, head][big] / x[0, head].abs()[big]).max() <= 2**-4
+    one_scale = fp8_roundtrip(x, scale="tensor")
+    small_head_error = lambda y: (y[:, 0] - x[:, 0]).abs().mean()  # noqa: E731
+    assert small_head_error(per_head) < small_head_error(one_scale)  # one scale for both heads
+    e5m2 = fp8_roundtrip(x, scale="head", format="e5m2")
+    assert (e5m2 - x).abs().mean() > (per_head - x).abs().mean()  # 2 mantissa bits, not 3
+    assert relative.max() < 1
+
+
+def test_fp8_without_scales_saturates_like_an_uncalibrated_engine():
+    x = torch.tensor([1000.0, -1000.0, 3.0, 0.5]).repeat(8).view(1, 1, 1, 32)
+    decoded = fp8_roundtrip(x, scale="one")
+    assert decoded[0, 0, 0, :4].tolist() == [448.0, -448.0, 3.0, 0.5]
+
+
+def test_fp8_bad_names_list_the_valid_ones():
+    from kvmix.methods import parse_method
+
+    with pytest.raises(ValueError, match="format='e3m4' is invalid; valid: e4m3, e5m2"):
+        parse_method("fp8:format=e3m4")
+    with pytest.raises(ValueError, match="scale='block' is invalid; valid: tensor, head, one"):
+        parse_method("fp8:scale=block")

@@ -45,8 +45,9 @@ class ReferenceRow:
         new = [(keys[:, :, t : t + 1], values[:, :, t : t + 1]) for t in range(keys.shape[2])]
         self.residual += new
         held = torch.cat([k for k, _ in self.residual], 2)
+        held_values = torch.cat([v for _, v in self.residual], 2)
         if not self.started:
-            self.selection, self.started = method.select(queries, held, 0), True
+            self.selection, self.started = method.select(queries, held, 0, held_values), True
         else:
             self.selection = method.observe(self.selection, queries, keys, 0)
         while len(self.sink) < method.sink and not self.blocks and self.residual:

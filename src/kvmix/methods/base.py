@@ -142,8 +142,10 @@ class Method:
     def bind(self, spec: ModelSpec) -> None:
         """Check the parameters against a model; raise ValueError naming the parameter."""
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int) -> Any:
-        """Prefill-time channel selection; queries: [B, Hq, T, D], keys: [B, Hkv, T, D]."""
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
+               values: torch.Tensor | None = None) -> Any:
+        """Prefill-time selection (channels, scales); queries: [B, Hq, T, D], keys and values:
+        [B, Hkv, T, D]."""
         return None
 
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:

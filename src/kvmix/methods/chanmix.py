@@ -106,7 +106,8 @@ class ChanMix(PerTokenValues):
                 "+ 2 class bits per channel, head and layer; "
                 "value bits = value_bits + 32/value_group")
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int) -> ChannelClasses:
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
+               values: torch.Tensor | None = None) -> ChannelClasses:
         classes = self.classify(queries, keys)  # [B, H, D]
         return ChannelClasses(pack(classes, 2))
 

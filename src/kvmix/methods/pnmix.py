@@ -162,8 +162,8 @@ class PNMix(PerTokenValues):
 
     # -- selection ---------------------------------------------------------------------------
 
-    def select(self, queries: torch.Tensor, keys: torch.Tensor,
-               layer: int) -> PairMask | RunningNorms:
+    def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
+               values: torch.Tensor | None = None) -> PairMask | RunningNorms:
         if self.selection == "online":
             return self.observe(None, queries, keys, layer)
         score = scores(self.criterion, queries, keys, None, self.spec.pairs)  # [B, H, units]

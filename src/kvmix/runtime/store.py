@@ -121,7 +121,8 @@ class RowStore:
 
     def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
         if not self.prefilled:  # the prompt: everything held so far is in the residual
-            self.selection = self.method.select(queries, self.res_keys, self.layer)
+            self.selection = self.method.select(queries, self.res_keys, self.layer,
+                                                self.res_values)
             self.prefilled = True
         else:
             self.selection = self.method.observe(self.selection, queries, keys, self.layer)
