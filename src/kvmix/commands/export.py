@@ -1,5 +1,8 @@
-"""``kvmix export``: WUSH-KV's serving artifacts.
-
+"""``kvmix export``: what serving needs. ``--plan METHOD``: a ``kv_plan.json`` (the method's
+widths per layer, layout, transforms' checksum, the model's fingerprint) with the nearest setting
+of each engine and their flags, and the token KL of the plan and of the engine settings kvmix
+simulates, measured on the same text (``kvmix.evaluation.plans``). ``--transforms``: WUSH-KV's
+serving artifacts —
 The model with values folded (``save_pretrained``) and one safetensors file of the
 right-multipliers per (layer, KV head, block), float64, each [L, H, D/block, block, block]:
 ``k_right = T_kᵀ`` (k' = k·k_right), ``q_right = T_k⁻¹`` (q' = q·q_right), ``v_right = T_vᵀ``
@@ -9,12 +12,17 @@ folded W_O undoes), so ``q_right·k_rightᵀ = I`` and ``v_right·o_right = I``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvmix.core.transforms import save_multipliers
-from kvmix.evaluation.report import console
+from kvmix.evaluation.jobs import load_inputs, score_methods
+from kvmix.evaluation.plans import make_plan, measured_kl, save_plan, simulated
+from kvmix.evaluation.report import console, print_table
+from kvmix.evaluation.scoring import check_lengths, token_kl
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, drop_gguf_marker, load_model
+from kvmix.runtime.attention import make_cache
 from kvmix.runtime.folding import prepare_model
 
 
@@ -34,12 +42,71 @@ def run_export(transforms: str, transform: str, model_out: str,
     return {"model": out / "model", "multipliers": path}
 
 
+@dataclass
+class PlanConfig:
+    """What ``export --plan`` reads; the KL is measured on ``context + eval_tokens`` tokens."""
+
+    method: str
+    out: str
+    model: str = DEFAULT_MODEL
+    data: str = "prose"
+    dtype: str = "auto"
+    device: str = "cpu"
+    backend: str = "auto"
+    context: int = 512
+    eval_tokens: int = 128
+    chunk: int = 1
+    measure: bool = True
+
+
+def run_plan(config: PlanConfig, loaded: LoadedModel | None = None) -> dict:
+    """Write ``out/kv_plan.json`` (see the module docstring); returns the plan."""
+    check_lengths(config.context, config.eval_tokens, config.chunk)
+    parse_method(config.method)  # a bad method string fails before the model loads
+    loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
+    method = make_cache(prepare_model(loaded.model, config.method), config.method).method
+    plan = make_plan(loaded, config.method, method)
+    if config.measure:
+        methods = simulated(plan)
+        scored = score_methods(loaded, ids, ["full", *methods], config.context, config.chunk,
+                               backend=config.backend)
+        measured_kl(plan, {m: token_kl(scored["full"].logprobs, scored[m].logprobs)
+                           for m in methods})
+        plan["measured_on"] = {"data": config.data, "context": config.context,
+                               "eval_tokens": config.eval_tokens}
+    rows = [{"engine": "kvmix", "setting": config.method, "flags": "",
+             "kl": plan.get("kl"), "cannot": ""}]
+    rows += [{"engine": name, "setting": s["setting"], "flags": " ".join(s["flags"]),
+              "kl": s["kl"], "cannot": "; ".join(s["cannot"])}
+             for name, s in plan["engines"].items()]
+    print_table(f"kvmix export --plan · {loaded.name} · {config.method}", rows,
+                {"engine": "engine", "setting": "setting", "flags": "flags", "kl": "token KL",
+                 "cannot": "cannot express"})
+    console.print(f"wrote {save_plan(config.out, plan)}")
+    return plan
+
+
 def add_parser(commands) -> None:
-    parser = commands.add_parser("export", help="folded model + WUSH right-multipliers for serving")
+    parser = commands.add_parser("export", help="a KV plan with engine settings (--plan), or "
+                                                "WUSH's folded model + right-multipliers")
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--transforms", required=True)
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--plan", metavar="METHOD", help="write kv_plan.json for this method")
+    which.add_argument("--transforms", help="WUSH transforms file (kvmix calibrate)")
     parser.add_argument("--transform", default="wush")
+    parser.add_argument("--data", default="prose", help="--plan: text the KL is measured on")
+    parser.add_argument("--context", type=int, default=PlanConfig.context)
+    parser.add_argument("--eval-tokens", type=int, default=PlanConfig.eval_tokens)
+    parser.add_argument("--no-measure", action="store_true", help="--plan: skip the KL")
     parser.add_argument("--out", required=True)
-    parser.set_defaults(run=lambda args: run_export(args.transforms, args.transform, args.out,
-                                                    load_model(args.model, args.dtype)))
+    parser.set_defaults(run=_run)
+
+
+def _run(args) -> None:
+    if args.plan:
+        run_plan(PlanConfig(args.plan, args.out, args.model, args.data, args.dtype,
+                            context=args.context, eval_tokens=args.eval_tokens,
+                            measure=not args.no_measure))
+    else:
+        run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))

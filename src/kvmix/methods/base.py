@@ -18,6 +18,14 @@ from kvmix.core.packing import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
 
 STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
+# What engines cannot express, shared by the methods it applies to (``engine_limits``)
+PER_CHANNEL_KEYS = ("per-channel key groups over tokens (engines quantize the channels of one "
+                    "token together)")
+MIXED_KEYS = "key channels at different widths within a head"
+KEY_TRANSFORM = ("a post-RoPE key transform: it needs an online kernel in the engine's attention "
+                 "(queries transformed alike)")
+VALUE_FOLD = ("the value transform folds into W_V/W_O: serve the model `kvmix export` writes and "
+              "it runs in any engine")
 
 
 @dataclass(frozen=True, eq=False)
@@ -198,6 +206,12 @@ class Method:
     def static_nbytes(self, spec: ModelSpec) -> int:
         """What ``static_tensors`` should take, from their shapes."""
         return 0
+
+    def engine_limits(self) -> list[str]:
+        """What no serving engine's cache format expresses in this configuration (engines store
+        each token's channels in blocks, one width per layer), in words, for ``kvmix export
+        --plan``; the layout's float sink and residual are checked there."""
+        return []
 
     @classmethod
     def describe(cls) -> str:

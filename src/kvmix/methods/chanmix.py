@@ -32,6 +32,8 @@ from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
 from kvmix.methods.base import (
+    MIXED_KEYS,
+    PER_CHANNEL_KEYS,
     STAT_BITS,
     Blocks,
     ChannelKeys,
@@ -96,6 +98,9 @@ class ChanMix(PerTokenValues):
         dim = self.spec.head_dim
         key = sum(n * b for n, b in zip(self.counts(dim), CLASS_BITS, strict=True)) / dim
         return key + STAT_BITS / self.group, self.value_bits_per_element()
+
+    def engine_limits(self) -> list[str]:
+        return [PER_CHANNEL_KEYS, MIXED_KEYS]
 
     def selection_bits(self, spec: ModelSpec) -> int:
         return 2 * spec.n_kv_heads * spec.head_dim

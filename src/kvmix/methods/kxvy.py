@@ -42,7 +42,10 @@ from kvmix.methods.backends import (
     value_rows,
 )
 from kvmix.methods.base import (
+    KEY_TRANSFORM,
+    PER_CHANNEL_KEYS,
     STAT_BITS,
+    VALUE_FOLD,
     Blocks,
     KernelView,
     Method,
@@ -183,6 +186,14 @@ class KxVy(Method):
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return (per_layer(self.key_bits, layer) + STAT_BITS / self.group,
                 per_layer(self.value_bits, layer) + STAT_BITS / self.value_group)
+
+    def engine_limits(self) -> list[str]:
+        limits = [PER_CHANNEL_KEYS]
+        if self.rotate in ("keys", "both"):
+            limits.append(KEY_TRANSFORM)
+        if self.rotate in ("values", "both"):
+            limits.append(VALUE_FOLD)
+        return limits
 
     @classmethod
     def describe(cls) -> str:

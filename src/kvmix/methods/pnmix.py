@@ -42,6 +42,8 @@ from kvmix.core.packing import check_bits, pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
 from kvmix.methods.base import (
+    MIXED_KEYS,
+    PER_CHANNEL_KEYS,
     STAT_BITS,
     Blocks,
     ChannelKeys,
@@ -147,6 +149,9 @@ class PNMix(PerTokenValues):
         if self.selection == "online":
             key += high * INDEX_BITS / (dim * self.group)
         return key, self.value_bits_per_element()
+
+    def engine_limits(self) -> list[str]:
+        return [PER_CHANNEL_KEYS, MIXED_KEYS]
 
     def selection_bits(self, spec: ModelSpec) -> int:
         if self.selection == "online":  # two float32 sums per (head, pair) and two counts

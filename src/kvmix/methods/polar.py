@@ -20,7 +20,13 @@ import torch
 from kvmix.core.packing import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize, quantize
 from kvmix.methods import register
-from kvmix.methods.base import STAT_BITS, Blocks, ModelSpec, PerTokenValues, require_pairs
+from kvmix.methods.base import (
+    STAT_BITS,
+    Blocks,
+    ModelSpec,
+    PerTokenValues,
+    require_pairs,
+)
 
 
 @dataclass
@@ -52,6 +58,9 @@ class PolarQuant(PerTokenValues):
     def bind(self, spec: ModelSpec) -> None:
         require_pairs(spec, "polar")
         super().bind(spec)
+
+    def engine_limits(self) -> list[str]:
+        return ["keys as quantized RoPE-pair radius and angle (polar coordinates)"]
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         key = (self.radius_bits + self.angle_bits) / 2 + STAT_BITS / self.group

@@ -30,7 +30,16 @@ from kvmix.core.quantizers import (
 )
 from kvmix.core.transforms import KINDS, TransformSet, load_transforms
 from kvmix.methods import register
-from kvmix.methods.base import Blocks, KernelView, Method, ModelSpec, choice, token_groups
+from kvmix.methods.base import (
+    KEY_TRANSFORM,
+    VALUE_FOLD,
+    Blocks,
+    KernelView,
+    Method,
+    ModelSpec,
+    choice,
+    token_groups,
+)
 
 QUANTIZERS = ("quest", "percentile")
 
@@ -107,6 +116,10 @@ class Wush(Method):
 
     def static_nbytes(self, spec: ModelSpec) -> int:
         return 2 * 4 * spec.n_layers * spec.n_kv_heads * spec.head_dim**2  # two float32 [L,H,D,D]
+
+    def engine_limits(self) -> list[str]:
+        return [KEY_TRANSFORM, VALUE_FOLD,
+                f"{self.quantizer} clipped per-token quantizers (engines use absmax/min-max)"]
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         stats = 16 if self.quantizer == "quest" else 32

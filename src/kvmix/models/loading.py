@@ -3,7 +3,9 @@ SPEC §9), any transformers model id or folder, or a local ``.gguf`` file."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,6 +83,21 @@ def model_info(loaded: LoadedModel) -> dict[str, Any]:
     return {"name": loaded.name, "source": loaded.source, "dtype": str(loaded.dtype),
             "model_type": config.model_type, "layers": config.num_hidden_layers,
             "parameters": sum(p.numel() for p in loaded.model.parameters())}
+
+
+def fingerprint(model) -> str:
+    """A short hash of what a KV plan depends on: the attention layout and the first layer's
+    key projection (another checkpoint of the same architecture differs there)."""
+    config = model.config.get_text_config(decoder=True)
+    layout = {k: getattr(config, k, None) for k in (
+        "model_type", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "head_dim", "hidden_size", "vocab_size")}
+    digest = hashlib.sha256(json.dumps(layout, sort_keys=True).encode())
+    keys = next((p for name, p in model.named_parameters() if name.endswith("k_proj.weight")),
+                None)
+    if keys is not None:
+        digest.update(keys.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def max_positions(model) -> int:
