@@ -308,3 +308,30 @@ def test_longgen_on_humaneval_prompts(real_model, tmp_path):
                        real_model)
     assert rows[0]["prompts"] == 2 and rows[0]["kl_teacher_forced"] > 0
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == 2
+
+
+def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
+    from kvmix.commands.export import PlanConfig, run_plan
+    from kvmix.commands.recommend import RecommendConfig, run_recommend
+    from kvmix.evaluation.plans import load_plan
+
+    plan = run_plan(PlanConfig("kxvy:key_bits=4,value_bits=2", str(tmp_path / "plan"),
+                               context=160, eval_tokens=24), loaded=real_model)
+    assert len(plan["layers"]) == 30 and plan["layers"][0]["key_bits"] == 5.0
+    llama = plan["engines"]["llama.cpp"]
+    assert llama["setting"] == "q4_1/q4_0" and llama["kl"] > 0 and plan["kl"] > 0
+    vllm, sglang = plan["engines"]["vllm"], plan["engines"]["sglang"]
+    assert vllm["setting"] == "turboquant_k8v4" and vllm["kl"] is None  # not simulated
+    assert sglang["setting"] == "fp8_e4m3" and sglang["kl"] > 0  # float8: simulated
+    assert load_plan(tmp_path / "plan" / "kv_plan.json", real_model.model) == plan["method"]
+    methods = ["kivi2", "ggml:k=q8_0,v=q8_0", "ggml:k=q4_0,v=q4_0"]
+    config = RecommendConfig(methods=methods, max_kl=0.05, context=160, eval_tokens=24,
+                             out=str(tmp_path / "rec"))
+    result = run_recommend(config, loaded=real_model)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["ggml:k=q8_0,v=q8_0"]["token_kl"] < rows["ggml:k=q4_0,v=q4_0"]["token_kl"]
+    meeting = [r for r in result["rows"] if r["token_kl"] <= 0.05]
+    assert result["choice"] == min(meeting, key=lambda r: r["effective_bits"])
+    assert rows["ggml:k=q4_0,v=q4_0"]["flags"] == "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on"
+    saved = json.loads((tmp_path / "rec" / "results.json").read_text())
+    assert saved["choice"] == result["choice"] and saved["config"]["max_kl"] == 0.05

@@ -138,3 +138,65 @@ def test_fp8_bad_names_list_the_valid_ones():
         parse_method("fp8:format=e3m4")
     with pytest.raises(ValueError, match="scale='block' is invalid; valid: tensor, head, one"):
         parse_method("fp8:scale=block")
+
+
+# -- the nearest engine setting, plans and their refusal --------------------------------------
+
+
+def test_nearest_settings_cover_the_plan_and_say_what_they_cannot_express():
+    from kvmix.evaluation.engines import nearest
+    from kvmix.methods import parse_method
+
+    method = parse_method("kivi4")  # 5 bits per key and value element, per-channel keys
+    settings = nearest(method, [(5.0, 5.0)] * 4)
+    assert settings["llama.cpp"].flags == ["-ctk", "q4_1", "-ctv", "q4_1", "-fa", "on"]
+    assert settings["llama.cpp"].simulate == "ggml:k=q4_1,v=q4_1"
+    assert settings["vllm"].setting == "fp8_e4m3" and settings["sglang"].setting == "fp8_e4m3"
+    cannot = " ".join(settings["vllm"].cannot)
+    assert "per-channel key groups" in cannot and "float residual of up to 128" in cannot
+    assert "keys at 5 bits: the engine's nearest format takes 8" in cannot
+    assert "per-layer widths" not in cannot  # every layer is alike
+
+
+def test_vllm_leaves_wider_layers_unquantized_and_llama_cpp_covers_the_widest():
+    from kvmix.evaluation.engines import nearest
+    from kvmix.methods import parse_method
+
+    layers = [(4.5, 4.5), (4.5, 4.5), (8.5, 8.5), (4.5, 4.5)]
+    settings = nearest(parse_method("ggml:k=q4_0,v=q4_0"), layers)
+    assert settings["vllm"].setting == "fp8_e4m3"  # covers the median layer
+    assert settings["vllm"].skip_layers == [2]  # 8.5 bits: more than float8 keeps
+    assert settings["vllm"].flags[-2:] == ["--kv-cache-dtype-skip-layers", "2"]
+    assert settings["llama.cpp"].setting == "q8_0/q8_0"
+    assert any("per-layer widths" in c for c in settings["llama.cpp"].cannot)
+    assert settings["vllm"].simulate == "fp8:format=e4m3,scale=tensor"
+
+
+def test_engine_flags_of_the_engines_own_formats():
+    from kvmix.evaluation.engines import check_engine, engine_flags
+
+    assert engine_flags("ggml:k=q8_0,v=q4_0") == {
+        "llama.cpp": ["-ctk", "q8_0", "-ctv", "q4_0", "-fa", "on"]}
+    assert engine_flags("fp8:format=e5m2")["sglang"] == ["--kv-cache-dtype", "fp8_e5m2"]
+    assert engine_flags("kivi2") == {}
+    with pytest.raises(ValueError, match=r"engine='tgi' is unknown; valid: llama\.cpp, vllm"):
+        check_engine("tgi")
+
+
+def test_a_plan_names_its_model_and_is_refused_by_another(tmp_path):
+    from conftest import tiny_llama
+
+    from kvmix.evaluation.plans import load_plan, make_plan, save_plan
+    from kvmix.models.loading import LoadedModel
+
+    loaded = LoadedModel(tiny_llama(seed=0), None, "tiny", "test", torch.float32)
+    plan = make_plan(loaded, "pnmix1")
+    assert [layer["layer"] for layer in plan["layers"]] == [0, 1]
+    assert plan["layout"] == {"sink": 32, "residual": 128, "group": 128}
+    assert set(plan["engines"]) == {"llama.cpp", "vllm", "sglang"}
+    assert plan["engines"]["llama.cpp"]["flags"][:2] == ["-ctk", "q4_0"]
+    path = save_plan(tmp_path, plan)
+    assert load_plan(path, loaded.model) == "pnmix1"
+    other = tiny_llama(seed=1)  # same architecture, other weights
+    with pytest.raises(ValueError, match="was made for model 'tiny' \\(fingerprint"):
+        load_plan(path, other)

@@ -15,10 +15,11 @@ from kvmix.commands import (
     norms,
     pairscore,
     plan,
+    recommend,
     recon,
     sweep,
     transforms,
 )
 
 COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
-            keyfirst, recon, calibrate, transforms, export, methods)
+            keyfirst, recon, calibrate, transforms, export, recommend, methods)

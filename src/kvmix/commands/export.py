@@ -22,7 +22,6 @@ from kvmix.evaluation.report import console, print_table
 from kvmix.evaluation.scoring import check_lengths, token_kl
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, drop_gguf_marker, load_model
-from kvmix.runtime.attention import make_cache
 from kvmix.runtime.folding import prepare_model
 
 
@@ -64,8 +63,7 @@ def run_plan(config: PlanConfig, loaded: LoadedModel | None = None) -> dict:
     check_lengths(config.context, config.eval_tokens, config.chunk)
     parse_method(config.method)  # a bad method string fails before the model loads
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    method = make_cache(prepare_model(loaded.model, config.method), config.method).method
-    plan = make_plan(loaded, config.method, method)
+    plan = make_plan(loaded, config.method)
     if config.measure:
         methods = simulated(plan)
         scored = score_methods(loaded, ids, ["full", *methods], config.context, config.chunk,

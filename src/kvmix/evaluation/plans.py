@@ -14,15 +14,25 @@ from typing import Any
 from kvmix.evaluation.engines import nearest
 from kvmix.methods import Method
 from kvmix.models.loading import LoadedModel, fingerprint
+from kvmix.runtime.attention import make_cache
 from kvmix.runtime.cache import model_spec
+from kvmix.runtime.folding import prepare_model
 
 PLAN_FILE = "kv_plan.json"
 
 
-def make_plan(loaded: LoadedModel, text: str, method: Method) -> dict[str, Any]:
-    """The plan of ``method`` (bound to the model) as a JSON-ready dict."""
+def bound(loaded: LoadedModel, text: str) -> tuple[Method, list[tuple[float, float]]]:
+    """The method bound to the model (as its cache binds it) and its (key, value) bits per
+    element, layer by layer."""
+    method = make_cache(prepare_model(loaded.model, text), text).method
+    layers = model_spec(loaded.model.config).n_layers
+    return method, [method.bits(i, loaded.dtype) for i in range(layers)]
+
+
+def make_plan(loaded: LoadedModel, text: str) -> dict[str, Any]:
+    """The plan of the method ``text`` for the model, as a JSON-ready dict."""
+    method, layers = bound(loaded, text)
     spec = model_spec(loaded.model.config)
-    layers = [method.bits(i, loaded.dtype) for i in range(spec.n_layers)]
     engines = nearest(method, layers)
     return {
         "method": text,
