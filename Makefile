@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint clean
+.PHONY: run test lint clean engine-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
+
+# Not in CI: llama-cpp-python builds from source (about 10 minutes on 2 cores). llama.cpp with
+# each K/V cache type beside kvmix's ggml method with the same types (scripts/engine_check.py).
+engine-check: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[engine]'
+	$(BIN)/python scripts/engine_check.py --out results/engine-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

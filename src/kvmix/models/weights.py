@@ -7,6 +7,7 @@ Biases are reported beside the weights, not folded into the norms.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,24 @@ def kv_weights(model: Any) -> list[KVWeights]:
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return [_layer_weights(m, heads, kv_heads, head_dim) for m in attention_modules(model)]
+    return [_read(m, heads, kv_heads, head_dim) for m in attention_modules(model)]
+
+
+def _read(module: torch.nn.Module, heads: int, kv_heads: int, dim: int) -> KVWeights:
+    """One layer's weights; an offloaded layer (accelerate's hooks keep its weights on the meta
+    device between forwards, as ``device_map`` with ``cpu``/``disk`` entries does) is loaded for
+    the read, through the hook of each projection, and copied out to the CPU."""
+    if not any(p.is_meta for p in module.parameters()):
+        return _layer_weights(module, heads, kv_heads, dim)
+    from accelerate.utils import align_module_device
+
+    with contextlib.ExitStack() as loaded:
+        for part in module.modules():
+            loaded.enter_context(align_module_device(part, torch.device("cpu")))
+        w = _layer_weights(module, heads, kv_heads, dim)
+        return KVWeights(w.keys.clone(), w.values.clone(),
+                         None if w.key_bias is None else w.key_bias.clone(),
+                         None if w.value_bias is None else w.value_bias.clone())
 
 
 def weight_norms(weights: list[KVWeights]) -> dict[str, torch.Tensor]:

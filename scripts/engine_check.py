@@ -1,0 +1,94 @@
+"""The engine cross-check (``make engine-check``; not in CI: llama-cpp-python builds for about
+10 minutes on 2 cores): the same tokens of the bundled prose through llama.cpp with each
+``--cache-type-k/-v`` pair and through kvmix's ``ggml`` method with the same types, side by
+side — perplexity of the second half and token KL against each side's own f16 cache.
+
+llama.cpp runs the default model's GGUF (its Q4_1 weights, quantized matmuls) and scores the
+whole text as one batch, every token attending over the quantized cache; kvmix runs the same file
+dequantized by transformers, prefills the first half and decodes the second in chunks of
+``--chunk`` tokens over its ggml cache. Each side's KL is against its own f16 run, so the weight
+formats cancel; what remains is how well kvmix predicts the engine's cache error.
+
+Usage: python scripts/engine_check.py [--tokens 1536] [--chunk 1] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvmix.evaluation.data import load_text, token_ids
+from kvmix.evaluation.report import print_table, write_results
+from kvmix.evaluation.scoring import score, token_kl
+from kvmix.models.loading import load_model, smollm2_location
+
+PAIRS = [("f16", "f16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"), ("q4_0", "q8_0"),
+         ("q4_0", "q4_0"), ("q5_1", "q5_1"), ("q4_1", "q4_1")]
+COLUMNS = {"k": "K", "v": "V", "engine_ppl": "llama.cpp ppl", "kvmix_ppl": "kvmix ppl",
+           "engine_kl": "llama.cpp KL", "kvmix_kl": "kvmix KL", "kl_ratio": "kvmix/engine"}
+
+
+def engine_logprobs(ids: list[int], k: str, v: str, context: int, threads: int) -> torch.Tensor:
+    """llama.cpp's next-token log-probabilities at positions context..T-2: [N, V]."""
+    import llama_cpp
+
+    folder, gguf = smollm2_location()
+    kinds = {name: getattr(llama_cpp, f"GGML_TYPE_{name.upper()}") for name in (k, v)}
+    llm = llama_cpp.Llama(model_path=str(Path(folder) / gguf), n_ctx=len(ids) + 16,
+                          n_batch=len(ids), n_ubatch=512, logits_all=True, flash_attn=True,
+                          type_k=kinds[k], type_v=kinds[v], n_threads=threads, verbose=False)
+    llm.eval(ids)
+    logits = torch.from_numpy(np.array(llm.scores[context : len(ids) - 1], dtype=np.float32))
+    del llm
+    return torch.log_softmax(logits, dim=-1)
+
+
+def perplexity(logprobs: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(torch.exp(-logprobs.gather(1, targets[:, None]).mean()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--chunk", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--out", default="results/engine-check")
+    args = parser.parse_args()
+    loaded = load_model()
+    ids = token_ids(loaded.tokenizer, load_text("prose"), args.tokens)  # [1, T]
+    context = args.tokens // 2
+    targets = ids[0, context + 1 :]
+    engine, kvmix = {}, {}
+    for k, v in PAIRS:
+        engine[k, v] = engine_logprobs(ids[0].tolist(), k, v, context, args.threads)
+        kvmix[k, v] = score(loaded.model, ids, f"ggml:k={k},v={v}", context, args.chunk,
+                            backend="torch").logprobs
+    rows = []
+    for k, v in PAIRS:
+        e_kl = token_kl(engine["f16", "f16"], engine[k, v])
+        m_kl = token_kl(kvmix["f16", "f16"], kvmix[k, v])
+        rows.append({"k": k, "v": v, "engine_ppl": perplexity(engine[k, v], targets),
+                     "kvmix_ppl": perplexity(kvmix[k, v], targets), "engine_kl": e_kl,
+                     "kvmix_kl": m_kl, "kl_ratio": m_kl / e_kl if e_kl > 0 else None})
+    print_table(f"engine check · {args.tokens} tokens of prose, second half scored", rows,
+                COLUMNS)
+    quantized = [r for r in rows if (r["k"], r["v"]) != ("f16", "f16")]
+    order = [sorted(quantized, key=lambda r: r[side])
+             for side in ("engine_kl", "kvmix_kl")]
+    same_order = [(r["k"], r["v"]) for r in order[0]] == [(r["k"], r["v"]) for r in order[1]]
+    summary = {"same_order": same_order,
+               "within_20_percent": [abs(r["kl_ratio"] - 1) <= 0.2 for r in quantized]}
+    print(json.dumps(summary))
+    import llama_cpp
+
+    write_results(args.out, "engine-check", vars(args), rows, summary=summary,
+                  engine={"llama_cpp_python": llama_cpp.__version__},
+                  model={"name": loaded.name, "source": loaded.source})
+
+
+if __name__ == "__main__":
+    main()
