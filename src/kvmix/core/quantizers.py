@@ -94,7 +94,7 @@ def quantize_codes(
     lo, hi = _group_range(x, dim, valid)
     # a tensor divisor: CUDA turns a division by a Python number into a product with its
     # reciprocal, which can differ in the last bit; this division is IEEE on every device
-    levels = x.new_tensor(2**bits if center else 2**bits - 1)
+    levels = x.new_full((), 2**bits if center else 2**bits - 1)
     # Round the minimum down and the scale up so the stored grid covers [lo, hi]: the error
     # bound (half a stored step) then holds for the float16 statistics actually kept.
     constant = hi == lo
