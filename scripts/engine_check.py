@@ -6,8 +6,11 @@ side — perplexity of the second half and token KL against each side's own f16 
 llama.cpp runs the default model's GGUF (its Q4_1 weights, quantized matmuls) and scores the
 whole text as one batch, every token attending over the quantized cache; kvmix runs the same file
 dequantized by transformers, prefills the first half and decodes the second in chunks of
-``--chunk`` tokens over its ggml cache. Each side's KL is against its own f16 run, so the weight
-formats cancel; what remains is how well kvmix predicts the engine's cache error.
+``--chunk`` tokens over its ggml cache. Both rotate each quantized side by a Hadamard matrix
+(llama.cpp's default since #21038; ``--no-rotation`` turns it off on both sides:
+``LLAMA_ATTN_ROT_DISABLE=1`` and ``ggml:rotate=none``). Each side's KL is against its own f16
+run, so the weight formats cancel; what remains is how well kvmix predicts the engine's cache
+error.
 
 Usage: python scripts/engine_check.py [--tokens 1536] [--chunk 1] [--out DIR]
 """
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +60,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--chunk", type=int, default=1)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--no-rotation", action="store_true")
     parser.add_argument("--out", default="results/engine-check")
     args = parser.parse_args()
+    rotate = "none" if args.no_rotation else "auto"
+    if args.no_rotation:
+        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"  # read when each llama.cpp context is made
     loaded = load_model()
     ids = token_ids(loaded.tokenizer, load_text("prose"), args.tokens)  # [1, T]
     context = args.tokens // 2
@@ -65,8 +73,9 @@ def main() -> None:
     engine, kvmix = {}, {}
     for k, v in PAIRS:
         engine[k, v] = engine_logprobs(ids[0].tolist(), k, v, context, args.threads)
-        kvmix[k, v] = score(loaded.model, ids, f"ggml:k={k},v={v}", context, args.chunk,
-                            backend="torch").logprobs
+        kvmix[k, v] = score(loaded.model, ids, f"ggml:k={k},v={v},rotate={rotate}", context,
+                            args.chunk, backend="torch").logprobs
+        print(f"{k}/{v} done", flush=True)
     rows = []
     for k, v in PAIRS:
         e_kl = token_kl(engine["f16", "f16"], engine[k, v])

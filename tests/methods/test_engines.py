@@ -48,7 +48,7 @@ def test_blocks_are_llama_cpp_blocks(kind):
 
 
 def test_the_cache_stores_keys_in_the_engines_channel_order():
-    cache = make("ggml:k=q4_0,v=q5_1", sink=0, residual=8, group=8)
+    cache = make("ggml:k=q4_0,v=q5_1,rotate=none", sink=0, residual=8, group=8)
     keys, values, queries = tokens(1, 16, seed=2, dtype=torch.float32)
     cache.update(keys, values, 0)
     from helpers import attend
@@ -73,7 +73,8 @@ def test_key_blocks_follow_the_engines_channel_order():
     keys[..., dim // 2:] *= 20  # the second half of the channels is larger
     decoded = {}
     for order in ("pairs", "model"):
-        method = parse_method(f"ggml:k=q4_0,v=f16,key_order={order},residual=4,group=4")
+        method = parse_method(f"ggml:k=q4_0,v=f16,key_order={order},rotate=none,residual=4,"
+                              "group=4")
         method.bind(ModelSpec(1, 2, 2, dim, pairs))
         stored = map_tensors(Blocks(*method.encode(keys, keys, 0, None)), lambda t: t[:, None])
         decoded[order] = method.decode(stored, 0, None, torch.float32)[0][:, 0]
@@ -92,6 +93,35 @@ def test_unknown_types_are_named_with_the_valid_ones():
     with pytest.raises(ValueError, match="key_order='x' is invalid; valid: pairs, model"):
         parse_method("ggml:key_order=x")
     assert np.isclose(format_bits("q4_1"), 5.0)
+
+
+def test_rotation_is_llama_cpps_hadamard_on_each_quantized_side():
+    """Since llama.cpp#21038 the engine stores H·x for a quantized side (in its channel order)
+    and rotates the output back: x̂ = H·Q(H·x)."""
+    from kvmix.core.transforms import hadamard
+    from kvmix.core.tree import map_tensors
+    from kvmix.methods import Blocks, ModelSpec, parse_method
+
+    dim = 64
+    pairs = torch.stack([torch.arange(dim // 2), torch.arange(dim // 2, dim)], 1)
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(2, 1, 2, 4, dim, generator=g)
+    keys[..., 3] *= 30  # an outlier channel: rotation spreads it
+    method = parse_method("ggml:k=q4_0,v=f16,residual=4,group=4")
+    spec = ModelSpec(1, 2, 2, dim, pairs)
+    method.bind(spec)
+    stored = map_tensors(Blocks(*method.encode(keys, values, 0, None)), lambda t: t[:, None])
+    k, v = (x[:, 0] for x in method.decode(stored, 0, None, torch.float32))
+    h, order = hadamard(dim), pairs.flatten()
+    expected = (engine(keys[..., order] @ h, "q4_0") @ h)[..., order.argsort()]
+    torch.testing.assert_close(k, expected, rtol=0, atol=1e-5)
+    assert torch.equal(v, values.half().float())  # f16: never rotated
+    plain = parse_method("ggml:k=q4_0,v=f16,rotate=none,residual=4,group=4")
+    plain.bind(spec)
+    kept = map_tensors(Blocks(*plain.encode(keys, values, 0, None)), lambda t: t[:, None])
+    unrotated = plain.decode(kept, 0, None, torch.float32)[0][:, 0]
+    assert (k - keys).pow(2).mean() < (unrotated - keys).pow(2).mean()  # outliers spread
+    assert method.static_nbytes(spec) == 4 * dim * dim and plain.static_nbytes(spec) == 0
 
 
 def fp8_roundtrip(x: torch.Tensor, **options) -> torch.Tensor:

@@ -13,6 +13,12 @@ unrounded scale):
   ``x̂ = q·d + m``;
 * ``f16``: the float16 value.
 
+Since llama.cpp's activation rotation (ggml-org/llama.cpp#21038, April 2026), a quantized side is
+stored rotated by the normalized Hadamard matrix H over the head dim (queries alike, the output
+rotated back; power-of-two head dims): ``rotate=auto`` does the same (``x̂ = H·Q(H·x)``, exactly
+equivalent),
+``rotate=none`` is the engine with ``LLAMA_ATTN_ROT_DISABLE=1``.
+
 llama.cpp stores every token quantized, the prompt's too, with no sink and no float residual:
 the defaults here (``sink=0``, ``residual=1``, ``group=1``: a token is encoded right after its
 own attention step). ``key_order="pairs"`` groups key channels in the engine's order for
@@ -29,6 +35,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.core.packing import pack, unpack
+from kvmix.core.transforms import hadamard
 from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice, require_pairs
 
@@ -37,6 +44,7 @@ BLOCK = 32
 FORMATS = {"f16": (16, False), "q8_0": (8, False), "q5_0": (5, False), "q5_1": (5, True),
            "q4_0": (4, False), "q4_1": (4, True)}
 ORDERS = ("pairs", "model")
+ROTATIONS = ("auto", "none")
 
 
 @dataclass
@@ -138,6 +146,7 @@ class Ggml(Method):
     k: str = "q8_0"
     v: str = "q8_0"
     key_order: str = "pairs"
+    rotate: str = "auto"
     sink: int = 0
     residual: int = 1
     group: int = 1
@@ -147,6 +156,7 @@ class Ggml(Method):
         choice(self.k, "k", tuple(FORMATS))
         choice(self.v, "v", tuple(FORMATS))
         choice(self.key_order, "key_order", ORDERS)
+        choice(self.rotate, "rotate", ROTATIONS)
 
     def bind(self, spec: ModelSpec) -> None:
         if spec.head_dim % BLOCK:
@@ -158,24 +168,44 @@ class Ggml(Method):
         # the engine's channel of each stored key channel (a view of the model's pairs), or None
         pairs = self.key_order == "pairs" and self.k != "f16"
         self.order = spec.pairs.flatten() if pairs else None
+        self.rotation = hadamard(spec.head_dim) if self._rotates(spec) else None  # [D, D]
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D]; keys in the engine's channel order
         if self.order is not None:
             keys = keys.index_select(-1, self.order.to(keys.device))
-        return quantize_blocks(keys, self.k), quantize_blocks(values, self.v)
+        return (quantize_blocks(self._rotated(keys, self.k), self.k),
+                quantize_blocks(self._rotated(values, self.v), self.v))
+
+    def _rotated(self, x: torch.Tensor, kind: str) -> torch.Tensor:
+        """x·H for a side the engine rotates (H = H⁻¹: also the way back)."""
+        if self.rotation is None or kind == "f16":
+            return x
+        return x.float() @ self.rotation.to(x.device)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.spec.n_kv_heads, self.group, self.spec.head_dim)
-        keys = dequantize_blocks(blocks.keys, self.k, shape, dtype)
+        keys = self._rotated(dequantize_blocks(blocks.keys, self.k, shape, torch.float32), self.k)
         if self.order is not None:
             keys = keys.index_select(-1, self.order.argsort().to(keys.device))
-        return keys, dequantize_blocks(blocks.values, self.v, shape, dtype)
+        values = dequantize_blocks(blocks.values, self.v, shape, torch.float32)
+        return keys.to(dtype), self._rotated(values, self.v).to(dtype)
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return format_bits(self.k), format_bits(self.v)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [] if self.rotation is None else [self.rotation]
+
+    def static_nbytes(self, spec: ModelSpec) -> int:
+        return 4 * spec.head_dim**2 if self._rotates(spec) else 0  # float32 H
+
+    def _rotates(self, spec: ModelSpec) -> bool:
+        """The engine rotates when a side is quantized and H exists (a power-of-two head dim)."""
+        power_of_two = spec.head_dim & (spec.head_dim - 1) == 0
+        return self.rotate == "auto" and (self.k != "f16" or self.v != "f16") and power_of_two
 
     @classmethod
     def describe(cls) -> str:
