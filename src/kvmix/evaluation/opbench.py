@@ -20,12 +20,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig
 
 from kvmix.core.quantizers import fused_encoding
+from kvmix.models.loading import attention_config
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.layer import take_pending
 
@@ -50,11 +51,9 @@ class Shape:
                              "kv_heads and an even head dim")
         return cls(heads, kv_heads, head_dim)
 
-    def config(self) -> LlamaConfig:
+    def config(self) -> Any:
         """A one-layer Llama config of this shape (RoPE pairs as Llama's rotate_half)."""
-        return LlamaConfig(num_hidden_layers=1, num_attention_heads=self.heads,
-                           num_key_value_heads=self.kv_heads, head_dim=self.head_dim,
-                           hidden_size=self.heads * self.head_dim, vocab_size=8)
+        return attention_config(self.heads, self.kv_heads, self.head_dim)
 
     def pairs(self) -> torch.Tensor:
         half = self.head_dim // 2

@@ -85,6 +85,16 @@ def model_info(loaded: LoadedModel) -> dict[str, Any]:
             "parameters": sum(p.numel() for p in loaded.model.parameters())}
 
 
+def attention_config(heads: int, kv_heads: int, head_dim: int, layers: int = 1) -> Any:
+    """A transformers Llama config with this attention shape and no real model behind it
+    (synthetic caches for the op benchmark)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim,
+                       hidden_size=heads * head_dim, vocab_size=8)
+
+
 def fingerprint(model) -> str:
     """A short hash of what a KV plan depends on: the attention layout and the first layer's
     key projection (another checkpoint of the same architecture differs there)."""
