@@ -311,12 +311,13 @@ def test_longgen_on_humaneval_prompts(real_model, tmp_path):
 
 
 def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
-    from kvmix.commands.export import PlanConfig, run_plan
+    from kvmix.commands.export import ExportPlanConfig, run_plan
     from kvmix.commands.recommend import RecommendConfig, run_recommend
     from kvmix.evaluation.plans import load_plan
 
-    plan = run_plan(PlanConfig("kxvy:key_bits=4,value_bits=2", str(tmp_path / "plan"),
-                               context=160, eval_tokens=24), loaded=real_model)
+    plan = run_plan(ExportPlanConfig(method="kxvy:key_bits=4,value_bits=2",
+                                     out=str(tmp_path / "plan"), context=160, eval_tokens=24),
+                    loaded=real_model)
     assert len(plan["layers"]) == 30 and plan["layers"][0]["key_bits"] == 5.0
     llama = plan["engines"]["llama.cpp"]
     assert llama["setting"] == "q4_1/q4_0" and llama["kl"] > 0 and plan["kl"] > 0

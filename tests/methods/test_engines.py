@@ -143,16 +143,13 @@ def test_fp8_scales_put_each_heads_largest_value_at_the_formats_largest_code():
     per_head = fp8_roundtrip(x, scale="head")
     amax = x.abs().amax(dim=(2, 3))
     torch.testing.assert_close(per_head.abs().amax(dim=(2, 3)), amax)
-    relative = ((per_head - x).abs() / x.abs()).amax(dim=(2, 3))
     for head in range(2):  # e4m3 keeps 3 mantissa bits: a relative error under 2^-4 for
         big = x[0, head].abs() > amax[0, head] / 64  # values in the normal range
         assert ((per_head - x).abs()[0, head][big] / x[0, head].abs()[big]).max() <= 2**-4
-    one_scale = fp8_roundtrip(x, scale="tensor")
-    small_head_error = lambda y: (y[:, 0] - x[:, 0]).abs().mean()  # noqa: E731
-    assert small_head_error(per_head) < small_head_error(one_scale)  # one scale for both heads
+    one_scale = fp8_roundtrip(x, scale="tensor")  # head 0's values go subnormal under it
+    assert (per_head - x)[:, 0].abs().mean() < (one_scale - x)[:, 0].abs().mean()
     e5m2 = fp8_roundtrip(x, scale="head", format="e5m2")
     assert (e5m2 - x).abs().mean() > (per_head - x).abs().mean()  # 2 mantissa bits, not 3
-    assert relative.max() < 1
 
 
 def test_fp8_without_scales_saturates_like_an_uncalibrated_engine():
@@ -203,14 +200,12 @@ def test_vllm_leaves_wider_layers_unquantized_and_llama_cpp_covers_the_widest():
 
 
 def test_engine_flags_of_the_engines_own_formats():
-    from kvmix.evaluation.engines import check_engine, engine_flags
+    from kvmix.evaluation.engines import engine_flags
 
     assert engine_flags("ggml:k=q8_0,v=q4_0") == {
         "llama.cpp": ["-ctk", "q8_0", "-ctv", "q4_0", "-fa", "on"]}
     assert engine_flags("fp8:format=e5m2")["sglang"] == ["--kv-cache-dtype", "fp8_e5m2"]
     assert engine_flags("kivi2") == {}
-    with pytest.raises(ValueError, match=r"engine='tgi' is unknown; valid: llama\.cpp, vllm"):
-        check_engine("tgi")
 
 
 def test_a_plan_names_its_model_and_is_refused_by_another(tmp_path):

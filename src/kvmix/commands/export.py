@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmix.core.transforms import save_multipliers
-from kvmix.evaluation.jobs import load_inputs, score_methods
+from kvmix.evaluation.jobs import JobConfig, load_inputs, score_methods
 from kvmix.evaluation.plans import make_plan, measured_kl, save_plan, simulated
 from kvmix.evaluation.report import console, print_table
 from kvmix.evaluation.scoring import check_lengths, token_kl
@@ -42,24 +42,20 @@ def run_export(transforms: str, transform: str, model_out: str,
 
 
 @dataclass
-class PlanConfig:
+class ExportPlanConfig(JobConfig):
     """What ``export --plan`` reads; the KL is measured on ``context + eval_tokens`` tokens."""
 
-    method: str
-    out: str
-    model: str = DEFAULT_MODEL
-    data: str = "prose"
-    dtype: str = "auto"
-    device: str = "cpu"
-    backend: str = "auto"
+    method: str = "pnmix1"
     context: int = 512
     eval_tokens: int = 128
     chunk: int = 1
     measure: bool = True
 
 
-def run_plan(config: PlanConfig, loaded: LoadedModel | None = None) -> dict:
+def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dict:
     """Write ``out/kv_plan.json`` (see the module docstring); returns the plan."""
+    if not config.out:
+        raise ValueError("out is required: the folder kv_plan.json is written to")
     check_lengths(config.context, config.eval_tokens, config.chunk)
     parse_method(config.method)  # a bad method string fails before the model loads
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
@@ -94,8 +90,8 @@ def add_parser(commands) -> None:
     which.add_argument("--transforms", help="WUSH transforms file (kvmix calibrate)")
     parser.add_argument("--transform", default="wush")
     parser.add_argument("--data", default="prose", help="--plan: text the KL is measured on")
-    parser.add_argument("--context", type=int, default=PlanConfig.context)
-    parser.add_argument("--eval-tokens", type=int, default=PlanConfig.eval_tokens)
+    parser.add_argument("--context", type=int, default=ExportPlanConfig.context)
+    parser.add_argument("--eval-tokens", type=int, default=ExportPlanConfig.eval_tokens)
     parser.add_argument("--no-measure", action="store_true", help="--plan: skip the KL")
     parser.add_argument("--out", required=True)
     parser.set_defaults(run=_run)
@@ -103,8 +99,8 @@ def add_parser(commands) -> None:
 
 def _run(args) -> None:
     if args.plan:
-        run_plan(PlanConfig(args.plan, args.out, args.model, args.data, args.dtype,
-                            context=args.context, eval_tokens=args.eval_tokens,
-                            measure=not args.no_measure))
+        run_plan(ExportPlanConfig(model=args.model, data=args.data, dtype=args.dtype,
+                                  out=args.out, method=args.plan, context=args.context,
+                                  eval_tokens=args.eval_tokens, measure=not args.no_measure))
     else:
         run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))

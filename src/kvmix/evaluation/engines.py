@@ -64,12 +64,6 @@ class Setting:
     kl: float | None = None
 
 
-def check_engine(name: str) -> str:
-    if name not in ENGINES:
-        raise ValueError(f"engine={name!r} is unknown; valid: {', '.join(ENGINES)}")
-    return name
-
-
 def nearest(method: Method, layers: list[tuple[float, float]]) -> dict[str, Setting]:
     """Per engine, the setting nearest to ``method`` with per-layer (key, value) bits."""
     common = _layout_limits(method) + method.engine_limits()

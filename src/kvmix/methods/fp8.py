@@ -61,9 +61,6 @@ class Fp8(Method):
         choice(self.format, "format", tuple(DTYPES))
         choice(self.scale, "scale", SCALES)
 
-    def bind(self, spec: ModelSpec) -> None:
-        self.spec = spec
-
     def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
                values: torch.Tensor | None = None) -> Fp8Scales:
         return Fp8Scales(self._scale(keys), self._scale(values))

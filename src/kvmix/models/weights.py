@@ -47,10 +47,10 @@ def _read(module: torch.nn.Module, heads: int, kv_heads: int, dim: int) -> KVWei
     the read, through the hook of each projection, and copied out to the CPU."""
     if not any(p.is_meta for p in module.parameters()):
         return _layer_weights(module, heads, kv_heads, dim)
-    from accelerate.utils import align_module_device
+    from accelerate.utils import align_module_device, has_offloaded_params
 
     with contextlib.ExitStack() as loaded:
-        for part in module.modules():
+        for part in filter(has_offloaded_params, module.modules()):
             loaded.enter_context(align_module_device(part, torch.device("cpu")))
         w = _layer_weights(module, heads, kv_heads, dim)
         return KVWeights(w.keys.clone(), w.values.clone(),
