@@ -1,6 +1,7 @@
-"""What the bit formulas say a cache should hold: one sequence's segments in one layer, from the
-tokens each segment holds. The cache sets it beside what it holds; the capacity planner uses
-the same function for caches that do not exist yet (one source of truth for bytes)."""
+"""What the bit formulas say a cache should hold: the sequences' segments in one layer, from the
+tokens each segment holds, and the pages in use. The cache sets it beside what it holds; the
+capacity planner uses the same function for caches that do not exist yet (one source of truth
+for bytes)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmix.methods import Method, ModelSpec
-from kvmix.runtime.store import RowStore
+from kvmix.runtime.store import BatchStore
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,28 @@ def segment_bytes(method: Method, spec: ModelSpec, layer: int, held: Layout,
             "selection": method.selection_bits(spec) / 8 if selected else 0.0}
 
 
-def formula_bytes(row: RowStore, spec: ModelSpec, dtype: torch.dtype) -> float:
-    """What ``row``'s segments should take by the bit formula."""
-    if row.res_keys is None:  # never written
+def store_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float:
+    """What ``store``'s segments should take by the bit formula: each sequence's sink, residual
+    and selection, and every page in use once (beams share pages)."""
+    method, layer = store.method, store.layer
+    rows = sum(sum(segment_bytes(method, spec, layer, Layout(store.sink_len[b], 0,
+                                                             store.res_len[b]), dtype,
+                                 store.prefilled[b]).values()) for b in range(store.batch))
+    return rows + store.pool.used * page_bytes(method, spec, layer, dtype)
+
+
+def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float:
+    """Capacity held but not in use, by the same formulas: float slots no token fills and free
+    pages of the pool (reported as ``free``)."""
+    if store.keys is None:
         return 0.0
-    held = Layout(row.sink_keys.shape[-2], len(row.lengths), row.res_keys.shape[-2])
-    return sum(segment_bytes(row.method, spec, row.layer, held, dtype, row.prefilled).values())
+    slots = store.batch * (store.method.sink + store.method.residual)
+    unused = slots - sum(store.sink_len) - sum(store.res_len)
+    per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
+    free = len(store.pool.free) * page_bytes(store.method, spec, store.layer, dtype)
+    return unused * per_token + free
+
+
+def page_bytes(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> float:
+    """One page (a sealed block of ``group`` tokens) by the bit formula."""
+    return segment_bytes(method, spec, layer, Layout(0, 1, 0), dtype, selected=False)["blocks"]

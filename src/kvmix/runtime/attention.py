@@ -66,16 +66,20 @@ def use_kvmix_attention(model: Any) -> None:
     model.set_attn_implementation(NAME)
 
 
-def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto") -> KVMixCache:
+def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto",
+               max_batch: int | None = None, max_tokens: int | None = None) -> KVMixCache:
     """A packed cache for ``model``: ``model.generate(..., cache=make_cache(model, "kivi2"))``.
 
     Sets the model's attention implementation to ``kvmix`` (for any other cache it behaves
     exactly as SDPA). backend: "auto" (the fused CPU op where it runs, else the reference),
     "torch" (the reference path: decode blocks, then SDPA) or "cpu" (the fused op, or an error).
+    max_batch, max_tokens: size each layer's page pool up front for that many sequences of that
+    many real tokens (beyond it: a clear error, nothing cached lost); by default it grows.
     """
     method = parse_method(method)  # a bad method string fails before the op is built
     cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model),
-                       getattr(model, FOLDED, None), resolve(backend, model.device))
+                       getattr(model, FOLDED, None), resolve(backend, model.device), max_batch,
+                       max_tokens)
     use_kvmix_attention(model)
     return cache
 

@@ -17,11 +17,25 @@ from transformers.cache_utils import (
 
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
+from kvmix.runtime.accounting import layout
 from kvmix.runtime.kernels import cpu, gpu
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
 FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
+
+
+def _max_pages(method: Method, max_batch: int | None, max_tokens: int | None) -> int | None:
+    """Pages a pool sized up front holds: every sequence's full groups at ``max_tokens``."""
+    if max_batch is None and max_tokens is None:
+        return None
+    if max_batch is None or max_tokens is None:
+        raise ValueError(f"max_batch={max_batch} and max_tokens={max_tokens}: give both to size "
+                         "the pool up front, or neither to let it grow")
+    for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
+    return max_batch * layout(method, max_tokens).blocks
 
 
 def model_spec(config: Any, pairs: torch.Tensor | None = None,
@@ -50,9 +64,12 @@ class KVMixCache(Cache):
 
     def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
                  kv_norms: torch.Tensor | None = None, folded: str | None = None,
-                 backend: str = "torch"):
+                 backend: str = "torch", max_batch: int | None = None,
+                 max_tokens: int | None = None):
         """backend: "torch" (the reference path), "cpu" (the fused op) or "triton" (the GPU
-        kernels); kvmix.make_cache resolves "auto")."""
+        kernels); kvmix.make_cache resolves "auto". max_batch, max_tokens: a pool sized up
+        front for that many sequences of that many real tokens (a larger batch, or pages
+        beyond it, is refused before anything changes); by default the pool grows."""
         if backend not in ("torch", "cpu", "triton"):
             raise ValueError(f"backend={backend!r} is invalid here; valid: torch, cpu, triton "
                              "(kvmix.make_cache also takes auto)")
@@ -64,10 +81,12 @@ class KVMixCache(Cache):
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
+        max_pages = _max_pages(self.method, max_batch, max_tokens)
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
-            KVMixLayer(self.method, i, backend) if kind in QUANTIZED_LAYER_TYPES
+            KVMixLayer(self.method, i, backend, max_batch, max_pages)
+            if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
@@ -91,13 +110,21 @@ class KVMixCache(Cache):
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the distinct storages the cache keeps alive, by kind: sink, residual, codes,
         scales, zeros, masks, full (blocks of ``full``), static (per-model tensors of the method
-        and model spec), other_layers (layers kvmix does not pack)."""
-        tagged = [pair for layer in self.packed_layers for row in layer.rows
-                  for pair in row.tagged()]
-        tagged += [("static", t) for t in (*self.spec.tensors(), *self.method.static_tensors())]
+        and model spec), other_layers (layers kvmix does not pack), and free (float slots and
+        pool pages held but not in use)."""
+        tagged = [("static", t) for t in (*self.spec.tensors(), *self.method.static_tensors())]
         tagged += [("other_layers", t) for layer in self.other_layers
                    for t in vars(layer).values() if isinstance(t, torch.Tensor)]
-        return dict(kind_bytes(tagged))
+        total = kind_bytes(tagged)
+        for layer in self.packed_layers:
+            total += layer.nbytes_breakdown()
+        return dict(total)
+
+    def check(self) -> None:
+        """Raise if a decode step stored a non-finite value since the last check (decode steps
+        validate on the device, without a host sync; prompts and chunks check at once)."""
+        for layer in self.packed_layers:
+            layer.check()
 
     def nbytes(self) -> int:
         """Bytes of every storage the cache keeps alive."""
@@ -105,8 +132,9 @@ class KVMixCache(Cache):
 
     def theoretical_nbytes(self) -> float:
         """Bytes the bit formulas predict: packed layers from the method's bits for the tokens
-        each sequence holds, static tensors from their shapes; plus what the layers kvmix does
-        not pack hold (transformers' own: not a kvmix formula)."""
+        each sequence holds (pages shared by beams once) plus the capacity held unused
+        (``free``), static tensors from their shapes; plus what the layers kvmix does not pack
+        hold (transformers' own: not a kvmix formula)."""
         packed = sum(layer.theoretical_nbytes(self.spec) for layer in self.packed_layers)
         static = self.spec.static_nbytes() + self.method.static_nbytes(self.spec)
         return packed + static + self.nbytes_breakdown().get("other_layers", 0)

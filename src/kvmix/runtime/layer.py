@@ -1,19 +1,32 @@
 """A full-attention layer's packed cache under transformers' ``CacheLayerMixin`` contract.
 
 transformers sees one tensor of ``T`` positions per layer, left-padded across the batch; kvmix
-keeps one ``RowStore`` per sequence holding only its real tokens, so each sequence's sink, group
-boundaries and statistics are its own (SPEC §2: the same cache alone or in a padded batch), and
-padding costs no storage. ``pads[b]`` is how many leading positions of row ``b`` are padding.
+keeps every sequence's real tokens only, batch-shaped (``BatchStore``: float slots, a block
+table into the layer's ``PagePool``), so each sequence's sink, group boundaries and statistics
+are its own (SPEC §2: the same cache alone or in a padded batch), and padding costs no storage.
+``pads[b]`` is how many leading positions of row ``b`` are padding (read from the mask once, at
+a prompt).
 
 ``update`` only stages the new tokens; the attention function registered by
 ``kvmix.runtime.attention`` then calls ``attend``, which attends each sequence over its own
 history and commits the new tokens (the flush happens there, with the post-RoPE queries that
-prefill-time channel selection needs).
+prefill-time channel selection needs). Two paths:
+
+* a **decode step** (one new token per sequence, every sequence prefilled): the tokens go into
+  their slots, one fused call attends the whole batch (``backend="cpu"``; other backends loop
+  over sequences), rows whose residual filled are sealed in one ``encode`` call. No host sync:
+  token counts are the host's own, and the new tokens are validated into a device flag that is
+  read at the next prompt or chunk, by ``KVMixCache.check()``, or at every step with
+  ``KVMIX_CHECKS=1``;
+* anything else (a prompt, a chunk of scored tokens): each sequence's real tokens are checked,
+  attended and committed, every full group of the batch sealed in one ``encode`` call.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import Counter
 
 import torch
@@ -22,10 +35,10 @@ from transformers.cache_utils import CacheLayerMixin
 from kvmix.core.memory import kind_bytes
 from kvmix.core.quantizers import fused_encoding
 from kvmix.methods import Method, ModelSpec
-from kvmix.runtime.accounting import formula_bytes
+from kvmix.runtime.accounting import slack_bytes, store_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
-from kvmix.runtime.kernels.views import view_of
-from kvmix.runtime.store import RowStore, check_finite
+from kvmix.runtime.pool import PagePool
+from kvmix.runtime.store import BatchStore, RowView, check_finite, invalid
 
 
 class _Handoff(threading.local):
@@ -46,19 +59,31 @@ def clear_pending() -> None:
     _HANDOFF.layer = None
 
 
+# Per layer, the device flag of decode steps' tokens not yet read (kept outside the cache so
+# its bytes are the cache's own only).
+_FLAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def checks_every_step() -> bool:
+    return os.environ.get("KVMIX_CHECKS", "") not in ("", "0")
+
+
 class KVMixLayer(CacheLayerMixin):
-    """One full-attention layer's packed cache: a store per sequence, behind transformers' calls."""
+    """One full-attention layer's packed cache: every sequence's segments, behind transformers'
+    calls."""
 
     is_sliding = False
     is_compileable = False
     # A crop that ends inside a block keeps that block's codes: not a trace-free rollback.
     is_croppable = False
 
-    def __init__(self, method: Method, layer_idx: int, backend: str = "torch"):
+    def __init__(self, method: Method, layer_idx: int, backend: str = "torch",
+                 max_batch: int | None = None, max_pages: int | None = None):
         super().__init__()
         self.method = method
         self.layer_idx = layer_idx
         self.backend = backend  # "torch" (the reference path), "cpu" or "triton" (fused ops)
+        self.max_batch, self.max_pages = max_batch, max_pages
         self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -68,8 +93,9 @@ class KVMixLayer(CacheLayerMixin):
         if self.backend == "triton" and key_states.device.type != "cuda" and not interpreting():
             raise ValueError(f"backend='triton' runs on CUDA tensors; layer {self.layer_idx}'s "
                              f"keys are on {key_states.device} (use backend='cpu' or 'auto')")
+        self._check_batch(key_states.shape[0])
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.rows = [RowStore(self.method, self.layer_idx) for _ in range(key_states.shape[0])]
+        self.store.allocate(key_states.shape[0], key_states)
         self.pads = [0] * key_states.shape[0]
         self.is_initialized = True
 
@@ -86,7 +112,12 @@ class KVMixLayer(CacheLayerMixin):
             )
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        check_finite(key_states, value_states, self.layer_idx)
+        self.stepping = key_states.shape[-2] == 1 and all(self.store.prefilled)
+        if self.stepping and not checks_every_step():
+            self._flag(key_states, value_states)
+        else:
+            self.check()
+            check_finite(key_states, value_states, self.layer_idx)
         keys = self.method.transform_keys(key_states, self.layer_idx)
         self.staged = keys, value_states
         self.length += key_states.shape[-2]
@@ -102,16 +133,20 @@ class KVMixLayer(CacheLayerMixin):
         """
         keys, values = self.staged
         self.staged = None
+        if self.stepping:
+            return self._step(query, keys, values, scaling)
         self._read_pads(attention_mask)
         out = torch.zeros_like(query)
-        for b, row in enumerate(self.rows):
-            new = min(query.shape[-2], self.length - self.pads[b])  # this row's real new tokens
-            if new <= 0:
-                continue
+        new = []
+        for b in range(self.store.batch):
+            count = min(query.shape[-2], self.length - self.pads[b])  # this row's real tokens
+            tail = slice(query.shape[-2] - max(count, 0), None)
             rows = slice(b, b + 1)
-            k, v, q = keys[rows, :, -new:], values[rows, :, -new:], query[rows, :, -new:]
-            out[rows, :, -new:] = self._attend_row(row, q, k, v, scaling)
-            self._commit(row, k, v, q)
+            k, v, q = keys[rows, :, tail], values[rows, :, tail], query[rows, :, tail]
+            if count > 0:
+                out[rows, :, tail] = self._attend_row(self.store.row(b), q, k, v, scaling)
+            new.append((k, v, q))
+        self._commit(new)
         return out
 
     def fill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
@@ -123,14 +158,43 @@ class KVMixLayer(CacheLayerMixin):
         keys = self.method.transform_keys(keys, self.layer_idx)
         queries = self.method.transform_queries(queries, self.layer_idx)
         self.length += keys.shape[-2]
-        for b, row in enumerate(self.rows):
-            rows = slice(b, b + 1)
-            self._commit(row, keys[rows], values[rows], queries[rows])
+        self._commit([(keys[b : b + 1], values[b : b + 1], queries[b : b + 1])
+                      for b in range(keys.shape[0])])
 
-    def _commit(self, row: RowStore, keys: torch.Tensor, values: torch.Tensor,
-                queries: torch.Tensor) -> None:
-        with fused_encoding(self.backend == "triton"):  # flushed blocks encode on the GPU
-            row.append(keys, values, queries)
+    def _commit(self, new: list[tuple[torch.Tensor, ...]]) -> None:
+        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
+            self.store.append(new)
+
+    def _step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              scaling: float) -> torch.Tensor:
+        """A decode step: one new token per sequence -> [B, Hq, 1, D]."""
+        store = self.store
+        if self.backend == "cpu" and cpu.batched(store):
+            store.write(keys, values)
+            out = cpu.attend_batch(store, query, scaling)  # one op call for the batch
+        else:
+            out = torch.cat([self._attend_row(store.row(b), query[b : b + 1], keys[b : b + 1],
+                                              values[b : b + 1], scaling)
+                             for b in range(store.batch)])
+            store.write(keys, values)
+        store.observe_step(query, keys)
+        with fused_encoding(self.backend == "triton"):
+            store.flush()
+        return out
+
+    def check(self) -> None:
+        """Raise if a decode step since the last check stored a non-finite value (or one beyond
+        the float16 range of a quantizing method's statistics): one host sync."""
+        flag = _FLAGS.pop(self, None)
+        if flag is not None and bool(flag):
+            raise ValueError(f"non-finite keys or values in layer {self.layer_idx} during "
+                             "decoding (or, for a quantizing method, beyond the float16 range "
+                             "±65504): kvmix keeps finite values only (check the model's dtype "
+                             "and inputs)")
+
+    def _flag(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        bad = invalid(keys, values, self.method.quantizes)
+        _FLAGS[self] = bad if self not in _FLAGS else _FLAGS[self] | bad
 
     # -- the cache contract --------------------------------------------------------------------
 
@@ -144,11 +208,15 @@ class KVMixLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.rows: list[RowStore] = []
+        hint = (f" (raise max_tokens or max_batch of make_cache; layer {self.layer_idx})")
+        self.pool = PagePool(self.max_pages, hint)
+        self.store = BatchStore(self.method, self.layer_idx, self.pool)
         self.pads: list[int] = []
         self.length = 0  # positions transformers sees, padding included
         self.staged = None
+        self.stepping = False
         self.is_initialized = False
+        _FLAGS.pop(self, None)
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last ``-tokens_to_remove`` positions (transformers' negative convention)."""
@@ -156,48 +224,68 @@ class KVMixLayer(CacheLayerMixin):
             raise ValueError(f"crop(tokens_to_remove={tokens_to_remove}): pass a negative "
                              "number of tokens to remove")
         self.length = max(self.length + tokens_to_remove, 0)
-        for row, pad in zip(self.rows, self.pads, strict=True):
-            row.truncate(max(self.length - pad, 0))
+        for b, pad in enumerate(self.pads):
+            self.store.truncate(b, max(self.length - pad, 0))
         self.pads = [min(pad, self.length) for pad in self.pads]
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._pick(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._pick([b for b in range(len(self.rows)) for _ in range(repeats)])
+        self._pick([b for b in range(self.store.batch) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._pick(torch.arange(len(self.rows))[indices.cpu()].tolist())
+            self._pick(torch.arange(self.store.batch)[indices.cpu()].tolist())
 
     def offload(self) -> None:
-        self.rows = [row.copy(lambda t: t.to("cpu", non_blocking=True)) for row in self.rows]
+        self.store.to("cpu")
+        self.pool.to("cpu")
 
     def prefetch(self) -> None:
-        self.rows = [row.copy(lambda t: t.to(self.device, non_blocking=True)) for row in self.rows]
+        self.store.to(self.device)
+        self.pool.to(self.device)
 
-    # -- bytes ---------------------------------------------------------------------------------
+    # -- reading -------------------------------------------------------------------------------
+
+    @property
+    def rows(self) -> list[RowView]:
+        """Each sequence, read-only (segments as views, pages gathered)."""
+        return [self.store.row(b) for b in range(self.store.batch)]
 
     def nbytes_breakdown(self) -> Counter:
-        """Bytes of distinct storages held, by kind (sink, residual, codes, scales, ...)."""
-        return kind_bytes([pair for row in self.rows for pair in row.tagged()])
+        """Bytes of the storages held, by kind (sink, residual, codes, scales, ..., free)."""
+        return self.store.breakdown() + self.pool.breakdown()
+
+    def tensors(self) -> list[torch.Tensor]:
+        return self.store.tensors() + self.pool.tensors()
 
     def theoretical_nbytes(self, spec: ModelSpec) -> float:
-        return sum(formula_bytes(row, spec, self.dtype) for row in self.rows)
+        """The bit formula for what is held, plus capacity held unused (``free``)."""
+        if not self.is_initialized:
+            return 0.0
+        return store_bytes(self.store, spec, self.dtype) + slack_bytes(self.store, spec,
+                                                                        self.dtype)
 
     def history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference path for every sequence: keys, values [B, H, L, D] (sequences of equal
         length only: a padded batch has a history per row, ``rows[b].history``)."""
-        lengths = {len(row) for row in self.rows}
+        rows = self.rows
+        lengths = {len(row) for row in rows}
         if len(lengths) > 1:
             raise ValueError(f"sequences hold {sorted(lengths)} tokens: stack per row instead")
-        held = [row.history(self.dtype) for row in self.rows]
+        held = [row.history(self.dtype) for row in rows]
         return torch.cat([k for k, _ in held]), torch.cat([v for _, v in held])
 
     def real_tokens(self) -> int:
-        return sum(len(row) for row in self.rows)
+        return sum(self.store.tokens(b) for b in range(self.store.batch))
 
     # -- helpers -------------------------------------------------------------------------------
+
+    def _check_batch(self, batch: int) -> None:
+        if self.max_batch is not None and batch > self.max_batch:
+            raise ValueError(f"batch={batch} exceeds the cache's max_batch={self.max_batch} "
+                             "(raise max_batch of make_cache)")
 
     def _read_pads(self, mask: torch.Tensor | None) -> None:
         """Leading padding per row from the mask's last query row ([B, 1, q, T]); only left
@@ -214,23 +302,21 @@ class KVMixLayer(CacheLayerMixin):
                              "kvmix supports left padding only (tokenizer padding_side='left')")
         self.pads = pads
 
-    def _attend_row(self, row: RowStore, query: torch.Tensor, keys: torch.Tensor,
+    def _attend_row(self, row: RowView, query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, scaling: float) -> torch.Tensor:
         """The fused op for a few new queries over a history it can read, else the reference."""
         fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
         if fused and len(row) and query.shape[-2] <= fused.MAX_QUERIES:
-            view = None if row.blocks is None else view_of(row, self.layer_idx)
+            view = None if row.blocks is None else self.method.kernel_view(
+                row.blocks, self.layer_idx, row.selection)
             if view is not None or row.blocks is None:
                 return fused.attend(row, view, query, keys, values, scaling)
         return reference.attend(row, query, keys, values, scaling)
 
     def _pick(self, index: list[int]) -> None:
-        """Rows in a new order; a row used twice is copied, so every row owns its storage."""
+        """Rows in a new order; sealed pages are shared, float slots copied."""
         if not self.is_initialized:
             return
-        used: set[int] = set()
-        rows = []
-        for b in index:
-            rows.append(self.rows[b] if b not in used else self.rows[b].copy())
-            used.add(b)
-        self.rows, self.pads = rows, [self.pads[b] for b in index]
+        self._check_batch(len(index))
+        self.store.pick(index)
+        self.pads = [self.pads[b] for b in index]

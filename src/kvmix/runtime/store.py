@@ -1,171 +1,368 @@
-"""One sequence's packed segments (SPEC §2): ``[ sink | blocks, append-only | residual ]``.
+"""Every sequence's packed segments in one layer (SPEC §2): ``[ sink | pages | residual ]``,
+batch-shaped.
 
-The sink is the sequence's first ``sink`` real tokens; new tokens enter the residual; whenever it
-holds ``residual`` tokens, its oldest ``group`` tokens are encoded once into a block. Blocks are
-never re-encoded. Only real tokens enter (the layer strips padding), so a sequence gets the same
-store whether it runs alone or in a padded batch. Every tensor kept is its own storage: no view
-pins a prompt or a popped residual. The store knows the method, never transformers.
+Per sequence the semantics are unchanged: the sink is its first ``sink`` real tokens; new tokens
+enter the residual; whenever it holds ``residual`` tokens its oldest ``group`` tokens are encoded
+once into a page; pages are never re-encoded. Only real tokens enter (the layer strips
+padding), so a sequence gets the same store alone or in a padded batch.
+
+The storage is the batch's, not the sequence's:
+
+* float slots ``keys``, ``values``: [B, H, sink + residual, D]; row b's sink fills
+  ``[0, sink_len[b])`` and its residual ``[sink, sink + res_len[b])``;
+* sealed pages in the layer's ``PagePool``; per row the page ids and the tokens each holds
+  (``group``, less only after a crop) — the block table;
+* per row the prefill selection (PN-Mix masks, ...), each its own storage.
+
+Token counts live on the host (they follow from the step count, so reading them costs no
+device sync). Flushes of every row that fills at a step are encoded in one ``encode`` call, and
+a prompt's full groups in one call for the whole batch. ``row(b)`` is a read-only view of one
+sequence for the reference path and the per-sequence kernels.
 """
 
 from __future__ import annotations
 
+import functools
+from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvmix.core.memory import owned
+from kvmix.core.memory import storage_bytes
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
+from kvmix.runtime.pool import FREE, PagePool
 
 FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
-class RowStore:
-    """Sink, blocks and residual of one sequence; every tensor has batch dimension 1."""
+@dataclass
+class Placement:
+    """Where one row's new real tokens go: into the sink, into pages, into the residual."""
 
-    def __init__(self, method: Method, layer: int):
+    row: int
+    sink: int  # tokens moved into the sink
+    blocks: int  # full groups sealed into pages
+    residual: int  # residual length afterwards
+
+
+class BatchStore:
+    """Float slots, block table and selections of every sequence of one layer."""
+
+    def __init__(self, method: Method, layer: int, pool: PagePool):
         self.method = method
         self.layer = layer
-        self.sink_keys = self.sink_values = None  # [1, H, s, D]
-        self.res_keys = self.res_values = None  # [1, H, r, D]
-        self.blocks: Blocks | None = None  # every tensor [1, n_blocks, ...]
-        self.lengths: list[int] = []  # tokens held per block (< group only after a crop)
-        self.selection: Any = None
-        self.prefilled = False
+        self.pool = pool
+        self.keys = self.values = None  # [B, H, S + R, D]
+        self.sink_len: list[int] = []
+        self.res_len: list[int] = []
+        self.pages: list[list[int]] = []  # page ids per row, in token order
+        self.held: list[list[int]] = []  # tokens held per page
+        self.selections: list[Any] = []  # per row, batch dimension 1 (None before prefill)
+        self.prefilled: list[bool] = []
+        # bumped when selections (or the rows) change, and when the block table changes: the
+        # fused ops' cached arguments key on them
+        self.version = self.table_version = 0
 
-    def __len__(self) -> int:
-        if self.res_keys is None:
-            return 0
-        return self.sink_keys.shape[-2] + sum(self.lengths) + self.res_keys.shape[-2]
+    def allocate(self, batch: int, like: torch.Tensor) -> None:
+        """Empty slots for ``batch`` rows shaped like ``like`` [*, H, *, D]."""
+        heads, dim = like.shape[1], like.shape[-1]
+        slots = self.method.sink + self.method.residual
+        self.keys = like.new_zeros(batch, heads, slots, dim)
+        self.values = like.new_zeros(batch, heads, slots, dim)
+        self.sink_len, self.res_len = [0] * batch, [0] * batch
+        self.pages, self.held = [[] for _ in range(batch)], [[] for _ in range(batch)]
+        self.selections, self.prefilled = [None] * batch, [False] * batch
+        self.version += 1
+        self.table_version += 1
 
-    # -- writing -------------------------------------------------------------------------------
+    @property
+    def batch(self) -> int:
+        return len(self.sink_len)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
-        """New real tokens after their attention: keys, values [1, H, q, D] (keys in the cache's
-        key space), queries [1, Hq, q, D]. Selects at the first call, then fills the sink and
-        flushes full groups."""
-        if self.res_keys is None:  # fresh empties: a zero-length view would pin the prompt
-            self.sink_keys = self.res_keys = keys.new_empty(*keys.shape[:-2], 0, keys.shape[-1])
-            self.sink_values = self.res_values = values.new_empty(*values.shape[:-2], 0,
-                                                                  values.shape[-1])
-        self.res_keys = torch.cat([self.res_keys, keys], dim=-2)
-        self.res_values = torch.cat([self.res_values, values], dim=-2)
-        self._select(queries, keys)
-        self._fill_sink()
-        fresh = []  # a long prompt flushes many blocks: stack them onto the history once
-        while self.res_keys.shape[-2] >= self.method.residual:
-            fresh.append(self._encode_oldest())
-        if fresh:
-            self._append(fresh)  # a concatenation: the blocks own their storage
-        self._own_segments()
+    def tokens(self, b: int) -> int:
+        return self.sink_len[b] + sum(self.held[b]) + self.res_len[b]
+
+    def row(self, b: int) -> RowView:
+        return RowView(self, b)
+
+    # -- writing: any number of new tokens per row ---------------------------------------------
+
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
+        """Per row, its new real tokens after their attention: keys, values [1, H, n, D] (keys in
+        the cache's key space) and queries [1, Hq, n, D]. Selects at a row's first tokens, fills
+        sinks, and seals every full group of every row in one ``encode`` call."""
+        plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in enumerate(new)]
+        self.pool.reserve(sum(p.blocks for p in plans))  # refuse before anything changes
+        sealed = []
+        for plan, (keys, values, queries) in zip(plans, new, strict=True):
+            if keys.shape[-2]:
+                self._observe(plan.row, keys, values, queries)
+                sealed += self._lay_out(plan, keys[0], values[0])
+        if sealed:
+            rows, keys, values = zip(*sealed, strict=True)
+            self._seal(list(rows), [k.shape[0] for k in keys], torch.cat(keys),
+                       torch.cat(values))
+
+    def _place(self, b: int, n: int) -> Placement:
+        """The flush rule in closed form for ``n`` more tokens of row ``b``."""
+        m = self.method
+        room = m.sink - self.sink_len[b] if not self.pages[b] else 0
+        into_sink = min(max(room, 0), self.res_len[b] + n)
+        rest = self.res_len[b] + n - into_sink
+        blocks = 0 if rest < m.residual else (rest - m.residual) // m.group + 1
+        return Placement(b, into_sink, blocks, rest - blocks * m.group)
+
+    def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
+        """Row ``plan.row``'s residual and new tokens ([H, n, D]) into sink, groups to seal (->
+        [] or [(row, keys, values [n_blocks, H, G, D])]) and residual."""
+        b, m, s = plan.row, self.method, self.method.sink
+        keys = torch.cat([self.keys[b, :, s : s + self.res_len[b]], keys], dim=1)
+        values = torch.cat([self.values[b, :, s : s + self.res_len[b]], values], dim=1)
+        at = self.sink_len[b]
+        self.keys[b, :, at : at + plan.sink] = keys[:, : plan.sink]
+        self.values[b, :, at : at + plan.sink] = values[:, : plan.sink]
+        self.sink_len[b] += plan.sink
+        cut = plan.sink + plan.blocks * m.group
+        tail = slice(cut, cut + plan.residual)
+        self.keys[b, :, s : s + plan.residual] = keys[:, tail]
+        self.values[b, :, s : s + plan.residual] = values[:, tail]
+        self.res_len[b] = plan.residual
+        if not plan.blocks:
+            return []
+        blocks = [x[:, plan.sink : cut].unflatten(1, (plan.blocks, m.group)).transpose(0, 1)
+                  for x in (keys, values)]  # [n_blocks, H, G, D]
+        return [(b, *blocks)]
+
+    def _observe(self, b: int, keys: torch.Tensor, values: torch.Tensor,
+                 queries: torch.Tensor) -> None:
+        if not self.prefilled[b]:  # the prompt: selection from its queries and keys, once
+            self.selections[b] = self.method.select(queries, keys, self.layer, values)
+            self.prefilled[b] = True
+        else:
+            self.selections[b] = self.method.observe(self.selections[b], queries, keys,
+                                                     self.layer)
+        self.version += 1
+
+    # -- writing: one token per row (a decode step) --------------------------------------------
+
+    def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """One new token per row, keys, values [B, H, 1, D], into its sink or residual slot."""
+        positions = [self._slot(b) for b in range(self.batch)]
+        rows = torch.arange(self.batch, device=keys.device)
+        index = torch.tensor(positions, device=keys.device)
+        self.keys[rows, :, index] = keys[:, :, 0]
+        self.values[rows, :, index] = values[:, :, 0]
+
+    def _slot(self, b: int) -> int:
+        if not self.pages[b] and self.res_len[b] == 0 and self.sink_len[b] < self.method.sink:
+            self.sink_len[b] += 1
+            return self.sink_len[b] - 1
+        self.res_len[b] += 1
+        return self.method.sink + self.res_len[b] - 1
+
+    def observe_step(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
+        """Methods that follow decoding (online selection) see each row's new token."""
+        if type(self.method).observe is Method.observe:
+            return
+        for b in range(self.batch):
+            rows = slice(b, b + 1)
+            self.selections[b] = self.method.observe(self.selections[b], queries[rows],
+                                                     keys[rows], self.layer)
+        self.version += 1
+
+    def flush(self) -> None:
+        """Seal the oldest group of every row whose residual is full, in one ``encode`` call
+        (no host sync: the step's tokens were validated on the device, ``invalid``)."""
+        m, s = self.method, self.method.sink
+        full = [b for b in range(self.batch) if self.res_len[b] >= m.residual]
+        if not full:
+            return
+        self.pool.reserve(len(full))
+        index = torch.tensor(full, device=self.keys.device)
+        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
+        kept = slice(s + m.group, s + m.residual)
+        self.keys[index, :, s : s + m.residual - m.group] = keys[:, :, kept]
+        self.values[index, :, s : s + m.residual - m.group] = values[:, :, kept]
+        for b in full:
+            self.res_len[b] -= m.group
+        oldest = slice(s, s + m.group)  # [n, H, G, D]
+        self._seal(full, [1] * len(full), keys[:, :, oldest], values[:, :, oldest], check=False)
+
+    # -- sealing -------------------------------------------------------------------------------
+
+    def _seal(self, rows: list[int], counts: list[int], keys: torch.Tensor,
+              values: torch.Tensor, check: bool = True) -> None:
+        """Groups of ``rows`` (``counts`` each, in order), keys, values [n, H, G, D] -> pages,
+        in one ``encode`` call."""
+        if not rows:
+            return
+        if check and self.method.quantizes:
+            check_float16_range(keys, values, self.layer)
+        state = self.method.encode(keys, values, self.layer, self._selection_per_block(rows,
+                                                                                      counts))
+        ids = self.pool.write(Blocks(*state))
+        for b, count in zip(rows, counts, strict=True):
+            self.pages[b] += ids[:count]
+            self.held[b] += [self.method.group] * count
+            ids = ids[count:]
+        self.table_version += 1
+
+    def _selection_per_block(self, rows: list[int], counts: list[int]) -> Any:
+        chosen = [self.selections[b] for b, n in zip(rows, counts, strict=True) for _ in range(n)]
+        if all(s is None for s in chosen):
+            return None
+        return combine(chosen, torch.cat)
 
     # -- reading -------------------------------------------------------------------------------
 
+    def float_spans(self) -> list[tuple[int, int, int, int]]:
+        """Per row (sink start, sink length, residual start, residual length) in the slots."""
+        s = self.method.sink
+        return [(0, self.sink_len[b], s, self.res_len[b]) for b in range(self.batch)]
+
+    # -- editing -------------------------------------------------------------------------------
+
+    def truncate(self, b: int, length: int) -> None:
+        """Keep row ``b``'s first ``length`` real tokens, in order."""
+        self.sink_len[b] = min(length, self.sink_len[b])
+        left = length - self.sink_len[b]
+        held: list[int] = []
+        for tokens in self.held[b]:
+            if left <= 0:
+                break
+            held.append(min(tokens, left))
+            left -= held[-1]
+        self.pool.release(self.pages[b][len(held):])
+        self.pages[b], self.held[b] = self.pages[b][: len(held)], held
+        self.res_len[b] = min(max(left, 0), self.res_len[b])
+        self.table_version += 1
+
+    def pick(self, index: list[int]) -> None:
+        """Rows in a new order (beams, repeats, a selection). Pages are shared, counted once per
+        holder; float slots and selections are copied (a row used twice owns its own)."""
+        if self.keys is None:
+            return
+        where = torch.tensor(index, device=self.keys.device)
+        self.keys, self.values = self.keys.index_select(0, where), self.values.index_select(0,
+                                                                                            where)
+        old = self.pages
+        self.pages = [list(old[b]) for b in index]
+        for pages in self.pages:
+            self.pool.retain(pages)
+        for pages in old:
+            self.pool.release(pages)
+        used: set[int] = set()
+        selections = []
+        for b in index:
+            selection = self.selections[b]
+            selections.append(map_tensors(selection, torch.clone) if b in used else selection)
+            used.add(b)
+        self.selections = selections
+        for name in ("sink_len", "res_len", "prefilled"):
+            setattr(self, name, [getattr(self, name)[b] for b in index])
+        self.held = [list(self.held[b]) for b in index]
+        self.version += 1
+        self.table_version += 1
+
+    def release(self) -> None:
+        for pages in self.pages:
+            self.pool.release(pages)
+
+    def to(self, device: torch.device | str) -> None:
+        moved = functools.partial(map_tensors, fn=lambda t: t.to(device, non_blocking=True))
+        self.keys, self.values = moved(self.keys), moved(self.values)
+        self.selections = [moved(s) for s in self.selections]
+        self.version += 1
+
+    # -- bytes ---------------------------------------------------------------------------------
+
+    def breakdown(self) -> Counter:
+        """Bytes of the slots and selections by kind: ``sink``, ``residual``, ``masks`` and
+        ``free`` (slots no token fills); the pool reports its own."""
+        total: Counter = Counter()
+        if self.keys is None:
+            return total
+        slot = storage_bytes(self.keys) // (self.keys.shape[0] * self.keys.shape[2])
+        sink, residual = sum(self.sink_len), sum(self.res_len)
+        capacity = self.keys.shape[0] * self.keys.shape[2]
+        total["sink"] += 2 * slot * sink
+        total["residual"] += 2 * slot * residual
+        total[FREE] += 2 * slot * (capacity - sink - residual)
+        for selection in self.selections:
+            for kind, t in tagged_tensors(selection, "masks"):
+                total[kind] += storage_bytes(t)
+        return total
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the store holds itself (the pool's pages aside)."""
+        held = [] if self.keys is None else [self.keys, self.values]
+        return held + [t for s in self.selections for _, t in tagged_tensors(s, "")]
+
+
+class RowView:
+    """One sequence of a ``BatchStore``, read-only: its segments as views of the slots and its
+    pages gathered (a copy) — for the reference path, per-sequence kernels and tests."""
+
+    def __init__(self, store: BatchStore, b: int):
+        self.store, self.b = store, b
+        self.method, self.layer = store.method, store.layer
+        self.lengths = list(store.held[b])
+        self.selection = store.selections[b]
+        self.prefilled = store.prefilled[b]
+
+    def __len__(self) -> int:
+        return self.store.tokens(self.b)
+
+    @property
+    def sink_keys(self) -> torch.Tensor:  # [1, H, s, D]
+        return self.store.keys[self.b : self.b + 1, :, : self.store.sink_len[self.b]]
+
+    @property
+    def sink_values(self) -> torch.Tensor:
+        return self.store.values[self.b : self.b + 1, :, : self.store.sink_len[self.b]]
+
+    @property
+    def res_keys(self) -> torch.Tensor:  # [1, H, r, D]
+        s = self.method.sink
+        return self.store.keys[self.b : self.b + 1, :, s : s + self.store.res_len[self.b]]
+
+    @property
+    def res_values(self) -> torch.Tensor:
+        s = self.method.sink
+        return self.store.values[self.b : self.b + 1, :, s : s + self.store.res_len[self.b]]
+
+    @functools.cached_property
+    def blocks(self) -> Blocks | None:
+        """The row's pages as the method's state, tensors [1, n, ...] (a copy), or None."""
+        pages = self.store.pages[self.b]
+        if not pages:
+            return None
+        return map_tensors(self.store.pool.gather(pages), lambda t: t.unsqueeze(0))
+
     def history(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference path: every held token, blocks decoded -> keys, values [1, H, L, D]."""
+        """The reference path: every held token, pages decoded -> keys, values [1, H, L, D]."""
         keys, values = self.decode_blocks(dtype)
         keys = torch.cat([self.sink_keys, keys, self.res_keys], dim=-2)
         values = torch.cat([self.sink_values, values, self.res_values], dim=-2)
         return keys, values
 
     def decode_blocks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """All blocks in one decode call -> keys, values: [1, H, sum(lengths), D]."""
+        """All pages in one decode call -> keys, values: [1, H, sum(lengths), D]."""
         if self.blocks is None:
             return self.sink_keys[..., :0, :], self.sink_values[..., :0, :]
         keys, values = self.method.decode(self.blocks, self.layer, self.selection, dtype)
         keys, values = (x.transpose(1, 2).flatten(2, 3) for x in (keys, values))  # [1, H, n*G, D]
-        if sum(self.lengths) < len(self.lengths) * self.method.group:  # a crop ended in a block
+        if sum(self.lengths) < len(self.lengths) * self.method.group:  # a crop ended in a page
             held = self._held_positions(keys.device)
             keys, values = keys.index_select(2, held), values.index_select(2, held)
         return keys, values
-
-    # -- editing -------------------------------------------------------------------------------
-
-    def truncate(self, length: int) -> None:
-        """Keep the first ``length`` tokens of every segment, in order."""
-        if self.res_keys is None:
-            return
-        s = min(length, self.sink_keys.shape[-2])
-        self.sink_keys, self.sink_values = _head(self.sink_keys, self.sink_values, s)
-        left = length - s
-        lengths = []
-        for held in self.lengths:
-            if left <= 0:
-                break
-            lengths.append(min(held, left))
-            left -= lengths[-1]
-        self.lengths = lengths
-        n = len(lengths)
-        self.blocks = map_tensors(self.blocks, lambda t: t[:, :n]) if n else None
-        self.res_keys, self.res_values = _head(self.res_keys, self.res_values, left)
-        self.blocks = map_tensors(self.blocks, owned)
-        self._own_segments()
-
-    def copy(self, fn=lambda t: t.clone()) -> RowStore:
-        """A store holding ``fn`` of every tensor (a deep copy by default; ``fn`` may move)."""
-        twin = RowStore(self.method, self.layer)
-        twin.__dict__.update({**self.__dict__, "lengths": list(self.lengths)})
-        for name in ("sink_keys", "sink_values", "res_keys", "res_values", "blocks", "selection"):
-            setattr(twin, name, map_tensors(getattr(self, name), fn))
-        return twin
-
-    def tagged(self) -> list[tuple[str, torch.Tensor]]:
-        """(kind, tensor) of everything held: sink, residual, block kinds, masks."""
-        if self.res_keys is None:
-            return []
-        return [("sink", self.sink_keys), ("sink", self.sink_values),
-                ("residual", self.res_keys), ("residual", self.res_values),
-                *tagged_tensors(self.blocks, "full"), *tagged_tensors(self.selection, "masks")]
-
-    # -- the flush -----------------------------------------------------------------------------
-
-    def _select(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
-        if not self.prefilled:  # the prompt: everything held so far is in the residual
-            self.selection = self.method.select(queries, self.res_keys, self.layer,
-                                                self.res_values)
-            self.prefilled = True
-        else:
-            self.selection = self.method.observe(self.selection, queries, keys, self.layer)
 
     def _held_positions(self, device: torch.device) -> torch.Tensor:
         g = self.method.group
         return torch.cat([torch.arange(i * g, i * g + n, device=device)
                           for i, n in enumerate(self.lengths)])
-
-    def _fill_sink(self) -> None:
-        # The sink is always the first tokens: it only grows while no block exists.
-        room = self.method.sink - self.sink_keys.shape[-2]
-        if room <= 0 or self.lengths:
-            return
-        keys, values = self._pop_residual(room)
-        self.sink_keys = torch.cat([self.sink_keys, keys], dim=-2)
-        self.sink_values = torch.cat([self.sink_values, values], dim=-2)
-
-    def _encode_oldest(self) -> Blocks:
-        """Encode (once) the oldest ``group`` residual tokens -> a block, tensors [1, 1, ...]."""
-        keys, values = self._pop_residual(self.method.group)  # [1, H, G, D]
-        if self.method.quantizes:
-            check_float16_range(keys, values, self.layer)
-        state = self.method.encode(keys, values, self.layer, self.selection)
-        self.lengths.append(self.method.group)
-        return map_tensors(Blocks(*state), lambda t: t.unsqueeze(1))
-
-    def _append(self, fresh: list[Blocks]) -> None:
-        """Stack new blocks after the held ones along the block axis (no re-encoding)."""
-        parts = fresh if self.blocks is None else [self.blocks, *fresh]
-        self.blocks = combine(parts, lambda tensors: torch.cat(tensors, dim=1))
-
-    def _pop_residual(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Remove and return the oldest ``n`` residual tokens: keys, values [1, H, n, D]."""
-        popped = _head(self.res_keys, self.res_values, n)
-        self.res_keys, self.res_values = self.res_keys[..., n:, :], self.res_values[..., n:, :]
-        return popped
-
-    def _own_segments(self) -> None:
-        """Give sink and residual their own storage (slices would pin what they were cut from:
-        the prompt, or the tokens just flushed)."""
-        self.sink_keys, self.sink_values = owned(self.sink_keys), owned(self.sink_values)
-        self.res_keys, self.res_values = owned(self.res_keys), owned(self.res_values)
 
 
 def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
@@ -179,6 +376,14 @@ def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
                              "only (check the model's dtype and inputs)")
 
 
+def invalid(keys: torch.Tensor, values: torch.Tensor, quantizes: bool) -> torch.Tensor:
+    """A device flag, no host sync: any key or value non-finite (or, for a quantizing method,
+    beyond the float16 range of the stored statistics)."""
+    peak = torch.maximum(keys.abs().amax(), values.abs().amax())
+    bound = FLOAT16_MAX if quantizes else torch.finfo(torch.float32).max
+    return ~(peak <= bound)  # NaN compares false
+
+
 def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
     """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored."""
     for name, x in (("keys", keys), ("values", values)):
@@ -187,7 +392,3 @@ def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) ->
             raise ValueError(f"{name} in layer {layer} reach {peak:.3g}, beyond the float16 range "
                              f"(±{FLOAT16_MAX:.0f}) of the stored scales and minimums; use "
                              "method 'full' for this model")
-
-
-def _head(keys: torch.Tensor, values: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return keys[..., :n, :], values[..., :n, :]

@@ -2,8 +2,10 @@
 a cache keyed by the source, the torch version, the compiler and the CPU, then loaded as the
 torch op ``torch.ops.kvmix.decode``.
 
-``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries: the same
-inputs, the same output, without building a float history. Flags: ``-O3 -march=native`` (the
+``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries of one
+sequence: the same inputs, the same output, without building a float history.
+``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
+sequence's float slots and its pages in the layer's pool, read through the block table. Flags: ``-O3 -march=native`` (the
 cache key holds the CPU); never ``-ffast-math`` (masked scores are -inf). Threads come from
 torch's own pool: ``at::parallel_for`` is inline OpenMP in torch's build, so the op is built
 with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy torch ships and has loaded.
@@ -17,12 +19,14 @@ import os
 import platform
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import torch
 
+from kvmix.core.tree import map_tensors
 from kvmix.methods import ChannelKeys, KernelView
-from kvmix.runtime.store import RowStore
+from kvmix.runtime.store import BatchStore, RowView
 
 SOURCE = Path(__file__).with_name("decode.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
@@ -54,7 +58,7 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
+def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, scaling: float) -> torch.Tensor:
     """query [1, Hq, q, D] of the new tokens keys, values [1, H, q, D] over everything ``row``
     holds (its blocks read through ``view``) and themselves, causally -> [1, Hq, q, D]."""
@@ -72,6 +76,75 @@ def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: to
     return out.unsqueeze(0).to(dtype)
 
 
+# Per store: (versions, arguments) of the pool's view and of the block table, rebuilt when
+# selections, the pool's tensors or the table change (kept outside the cache: its bytes are
+# the cache's own only).
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def batched(store: BatchStore) -> bool:
+    """Whether ``attend_batch`` reads this store: float32 slots and, once pages exist, a
+    packed kernel view of them (``full``'s float pages and methods without a fast path go
+    through ``attend`` per sequence)."""
+    return store.keys.dtype == torch.float32 and _pool_arguments(store) is not None
+
+
+def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
+    slot, over everything the sequence holds -> [B, Hq, 1, D]."""
+    spans = torch.tensor(store.float_spans(), dtype=torch.long)  # [B, 4]
+    out = torch.ops.kvmix.decode_batch(_float32(query[:, :, 0]), scaling, store.keys,
+                                       store.values, spans, store.method.group,
+                                       *_table(store), *_pool_arguments(store))
+    return out.unsqueeze(2).to(query.dtype)
+
+
+def _pool_arguments(store: BatchStore) -> list | None:
+    key = (store.version, store.pool.version, store.batch, store.pool.pages is None)
+    cached = _VIEWS.get(store)
+    if cached is None or cached[0] != key:
+        cached = key, _pool_view(store)
+        _VIEWS[store] = cached
+    return cached[1]
+
+
+def _pool_view(store: BatchStore) -> list | None:
+    """The op's arguments after ``counts``: the pool's codes and statistics, with per-sequence
+    plane indices, multipliers and key offsets stacked [B, H, ...]; None without a view."""
+    if store.pool.pages is None:
+        return _packed_arguments(None, None)[1:]
+    pool = map_tensors(store.pool.pages, lambda t: t.unsqueeze(0))  # one "sequence" of pages
+    views = [store.method.kernel_view(pool, store.layer, s) for s in store.selections]
+    if any(v is None or isinstance(v.keys, torch.Tensor) for v in views):
+        return None
+    if store.method.group % 8 or views[0].values.group % 8:
+        return None
+    arguments = _packed_arguments(None, views[0])[1:]
+    if isinstance(views[0].keys, ChannelKeys):  # planes and offsets differ by selection
+        planes = [v.keys.planes for v in views]
+        arguments[2] = [torch.stack([p[i].index for p in planes]) for i in range(len(planes[0]))]
+        arguments[3] = [torch.stack([p[i].mult for p in planes]) for i in range(len(planes[0]))]
+        arguments[6] = torch.stack([v.keys.offset.float() for v in views]).contiguous()
+    return arguments
+
+
+def _table(store: BatchStore) -> list[torch.Tensor]:
+    """pages, held [B, M] and counts [B], int64 (the block table, padded with page 0)."""
+    cached = _TABLES.get(store)
+    if cached is None or cached[0] != store.table_version:
+        width = max(1, *(len(p) for p in store.pages))
+        pages = torch.zeros(store.batch, width, dtype=torch.long)
+        held = torch.zeros(store.batch, width, dtype=torch.long)
+        for b, (ids, tokens) in enumerate(zip(store.pages, store.held, strict=True)):
+            pages[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            held[b, : len(ids)] = torch.tensor(tokens, dtype=torch.long)
+        counts = torch.tensor([len(p) for p in store.pages], dtype=torch.long)
+        cached = store.table_version, [pages, held, counts]
+        _TABLES[store] = cached
+    return cached[1]
+
+
 def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:
     """Float blocks [n, H, G, D] as segments; a block a crop cut short is its own segment."""
     whole = [i for i, held in enumerate(lengths) if held == view.keys.shape[2]]
@@ -81,7 +154,7 @@ def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tens
              .contiguous()) for i, held in enumerate(lengths)]
 
 
-def _packed_arguments(row: RowStore, view: KernelView | None) -> list:
+def _packed_arguments(row: RowView | None, view: KernelView | None) -> list:
     """The op's arguments after ``group``: block lengths, channel planes, per-token keys,
     per-token values (empty when no block is held)."""
     if view is None:
@@ -94,7 +167,8 @@ def _packed_arguments(row: RowStore, view: KernelView | None) -> list:
     else:
         planes = ([], [], [], [])
         key_args = [keys.scale, keys.minimum, None, keys.codes, keys.bits, keys.group]
-    return [row.lengths, *planes, *key_args, values.codes, values.bits, values.group,
+    return [row.lengths if row else [], *planes, *key_args, values.codes, values.bits,
+            values.group,
             values.scale, values.minimum]
 
 

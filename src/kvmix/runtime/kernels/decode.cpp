@@ -313,11 +313,12 @@ void halves(const at::Half* in, int64_t n, float* out) {
 
 // ---- the problem -------------------------------------------------------------------------------
 
-struct FloatSegment {  // float keys/values [n, H, t, D]
+struct FloatSegment {  // float keys/values [n, H, t, D]; heads `head_stride` floats apart
   const float* keys;
   const float* values;
   int64_t blocks, tokens;
   bool causal;  // the new tokens themselves: query i sees token j <= i
+  int64_t head_stride;
 };
 
 struct Plane {
@@ -341,6 +342,7 @@ struct Stats {  // per-token groups: codes [n, H, G, J, group], (scale, min) [n,
 struct Packed {
   int64_t blocks = 0, group = 0;
   const int64_t* lengths = nullptr;  // tokens held per block
+  const int64_t* pages = nullptr;    // block n's page in the pool (null: block n itself)
   int key_mode = 0;                  // 1 channel planes, 2 per-token groups
   std::vector<Plane> planes;
   const at::Half* key_scale = nullptr;  // mode 1: [n, H, D]
@@ -437,6 +439,8 @@ class Task {
 
   const float* qrow(int64_t r) const { return &q_[r * p_.dim]; }
 
+  int64_t page(int64_t n) const { return p_.packed.pages ? p_.packed.pages[n] : n; }
+
   void scores(const Unit& u, float* out) {
     if (u.segment >= 0)
       float_scores(p_.segments[u.segment], u.block, out);
@@ -457,7 +461,7 @@ class Task {
 
   void float_scores(const FloatSegment& seg, int64_t block, float* out) {
     const int64_t D = p_.dim, T = seg.tokens, L = total_;
-    const float* keys = seg.keys + (block * p_.kv_heads + h_) * T * D;
+    const float* keys = seg.keys + (block * p_.kv_heads + h_) * seg.head_stride;
     for (int64_t r = 0; r < p_.rows; ++r) {
       const int64_t i = r % p_.queries;  // this row's query token
       for (int64_t t = 0; t < T; ++t) {
@@ -469,7 +473,7 @@ class Task {
 
   void float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
     const int64_t D = p_.dim, T = seg.tokens, L = total_;
-    const float* values = seg.values + (block * p_.kv_heads + h_) * T * D;
+    const float* values = seg.values + (block * p_.kv_heads + h_) * seg.head_stride;
     for (int64_t r = 0; r < p_.rows; ++r) {
       float* a = acc + r * D;
       for (int64_t t = 0; t < T; ++t) {
@@ -491,8 +495,8 @@ class Task {
     const int64_t T = pk.lengths[n];
     scale_.resize(D);
     base_.resize(D);
-    halves(pk.key_scale + (n * H + h_) * D, D, scale_.data());
-    halves(pk.key_min + (n * H + h_) * D, D, base_.data());
+    halves(pk.key_scale + (page(n) * H + h_) * D, D, scale_.data());
+    halves(pk.key_min + (page(n) * H + h_) * D, D, base_.data());
     const float* offset = pk.key_offset + h_ * D;
     for (int64_t c = 0; c < D; ++c) base_[c] += scale_[c] * offset[c];
     float* block = work_.data();  // [P, G]
@@ -509,7 +513,7 @@ class Task {
     const int64_t C = plane.channels, G = p_.packed.group;
     if (C == 0) return;
     const int64_t stride = row_bytes(G, plane.bits);
-    const uint8_t* rows = plane.codes + n * plane.block_bytes + h_ * C * stride;
+    const uint8_t* rows = plane.codes + page(n) * plane.block_bytes + h_ * C * stride;
     const int64_t* index = plane.index + h_ * C;
     const float* mult = plane.mult + h_ * C;
     factor_.resize(C);
@@ -536,7 +540,7 @@ class Task {
     const Stats& st = pk.keys;
     const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
     const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
-    const uint8_t* rows = st.codes + n * st.block_bytes + h_ * G * J * stride;
+    const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
     token_stats(st, n, T, J);
     float* dots = work_.data();  // [RB, T]
     weights_.resize(RB * gs);
@@ -571,7 +575,7 @@ class Task {
     const Stats& st = pk.values;
     const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
     const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
-    const uint8_t* rows = st.codes + n * st.block_bytes + h_ * G * J * stride;
+    const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
     token_stats(st, n, T, J);
     weights_.resize(RB * T);
     for (int64_t j = 0; j < J; ++j)
@@ -604,7 +608,7 @@ class Task {
   // Per-token statistics of one block as floats, group-major [J, T]: scale, and min (or the
   // symmetric levels' offset).
   void token_stats(const Stats& st, int64_t n, int64_t T, int64_t J) {
-    const int64_t stat0 = (n * p_.kv_heads + h_) * p_.packed.group * J;
+    const int64_t stat0 = (page(n) * p_.kv_heads + h_) * p_.packed.group * J;
     const float symmetric = -(float(1 << (st.bits - 1)) - 0.5f);
     stats_.resize(2 * T * J);
     halves(st.scale + stat0, T * J, stats_.data());
@@ -653,6 +657,128 @@ Stats token_groups(const Tensor& codes, const Tensor& scale, const std::optional
           minimum.has_value() ? data<at::Half>(*minimum, "min") : nullptr, int(bits), group};
 }
 
+// The packed arguments both ops share: the pool of blocks (or one sequence's blocks).
+struct PackedArgs {
+  at::TensorList plane_codes;
+  at::IntArrayRef plane_bits;
+  at::TensorList plane_index, plane_mult;
+  const std::optional<Tensor>&key_scale, &key_min, &key_offset, &key_codes;
+  int64_t key_bits, key_group;
+  const std::optional<Tensor>& value_codes;
+  int64_t value_bits, value_group;
+  const std::optional<Tensor>&value_scale, &value_min;
+};
+
+Packed packed_layout(const PackedArgs& a, int64_t group, int64_t dim) {
+  Packed pk;
+  pk.group = group;
+  check(group % 8 == 0, "groups must be a multiple of 8 tokens");
+  check(a.value_codes.has_value() && a.value_scale.has_value(), "packed blocks need value codes");
+  pk.values = token_groups(*a.value_codes, *a.value_scale, a.value_min, a.value_bits,
+                           a.value_group, dim, "value");
+  pk.value_kernel = values_for(a.value_group, int(a.value_bits));
+  if (!a.plane_codes.empty()) {
+    pk.key_mode = 1;
+    check(a.key_scale.has_value() && a.key_min.has_value() && a.key_offset.has_value(),
+          "channel planes need key scale, min and offset");
+    pk.key_scale = data<at::Half>(*a.key_scale, "key scale");
+    pk.key_min = data<at::Half>(*a.key_min, "key min");
+    pk.key_offset = data<float>(*a.key_offset, "key offset");
+    for (size_t i = 0; i < a.plane_codes.size(); ++i) {
+      const int bits = int(a.plane_bits[i]);
+      check(valid_bits(bits), "plane bits must be 1, 2, 3, 4 or 8");
+      pk.planes.push_back({data<uint8_t>(a.plane_codes[i], "plane codes"),
+                           a.plane_codes[i].size(-1), a.plane_index[i].size(-1), bits,
+                           data<int64_t>(a.plane_index[i], "plane index"),
+                           data<float>(a.plane_mult[i], "plane mult"), plane_for(group, bits)});
+    }
+  } else {
+    check(a.key_codes.has_value() && a.key_scale.has_value(), "packed keys are missing");
+    pk.key_mode = 2;
+    pk.keys = token_groups(*a.key_codes, *a.key_scale, a.key_min, a.key_bits, a.key_group, dim,
+                           "key");
+    pk.key_dots = dots_for(a.key_group, int(a.key_bits));
+  }
+  return pk;
+}
+
+void set_heads(Problem& p, int64_t heads, int64_t kv_heads, int64_t queries, int64_t dim,
+               const float* query, double scale) {
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.queries = queries;
+  p.dim = dim;
+  check(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  p.group_size = heads / kv_heads;
+  p.rows = p.group_size * queries;
+  p.padded = (p.rows + RB - 1) / RB * RB;
+  p.query = query;
+  p.scale = float(scale);
+}
+
+std::vector<Unit> units_of(const Problem& p) {
+  std::vector<Unit> units;
+  for (size_t s = 0; s < p.segments.size(); ++s)
+    for (int64_t b = 0; b < p.segments[s].blocks; ++b) units.push_back({int(s), b});
+  for (int64_t b = 0; b < p.packed.blocks; ++b) units.push_back({-1, b});
+  return units;
+}
+
+// One KV head's partials -> its query rows of `out` [Hq, q, D].
+void merge(const Problem& p, const Partial* parts, int64_t splits, int64_t h, float* out) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    float m = NEG_INF;
+    for (int64_t s = 0; s < splits; ++s)
+      if (!parts[s].max.empty()) m = std::max(m, parts[s].max[r]);
+    if (m == NEG_INF) continue;
+    float total = 0.f;
+    float* dst = out + ((h * p.group_size + r / p.queries) * p.queries + r % p.queries) * p.dim;
+    for (int64_t s = 0; s < splits; ++s) {
+      const Partial& part = parts[s];
+      if (part.max.empty() || part.max[r] == NEG_INF) continue;
+      const float w = std::exp(part.max[r] - m);
+      total += w * part.sum[r];
+      for (int64_t d = 0; d < p.dim; ++d) dst[d] += w * part.acc[r * p.dim + d];
+    }
+    for (int64_t d = 0; d < p.dim; ++d) dst[d] /= total;
+  }
+}
+
+// Every sequence's tasks — (sequence, KV head, contiguous range of units), enough ranges to
+// keep every thread busy — in one parallel loop, then a log-sum-exp merge per sequence
+// -> out [S, Hq, q, D].
+Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& options) {
+  const int64_t S = int64_t(problems.size());
+  const Problem& first = problems[0];
+  const int64_t H = first.kv_heads, D = first.dim;
+  std::vector<std::vector<Unit>> units(S);
+  int64_t most = 1;
+  for (int64_t s = 0; s < S; ++s) {
+    units[s] = units_of(problems[s]);
+    most = std::max<int64_t>(most, int64_t(units[s].size()));
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(most, (2 * threads + S * H - 1) /
+                                                                          (S * H)));
+  std::vector<Partial> partials(S * H * splits);
+  at::parallel_for(0, S * H * splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / (H * splits), h = task / splits % H, split = task % splits;
+      const int64_t n = int64_t(units[s].size());
+      const int64_t lo = n * split / splits, hi = n * (split + 1) / splits;
+      if (hi > lo) partials[task] = Task(problems[s], h, units[s].data() + lo, hi - lo).run();
+    }
+  });
+  Tensor out = at::zeros({S, first.heads, first.queries, D}, options);
+  for (int64_t s = 0; s < S; ++s) {
+    const Problem& p = problems[s];
+    float* o = out.data_ptr<float>() + s * p.heads * p.queries * D;
+    for (int64_t h = 0; h < H; ++h)
+      merge(p, &partials[(s * H + h) * splits], splits, h, o);
+  }
+  return out;
+}
+
 Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
               at::TensorList float_values, int64_t causal_last, int64_t group,
               at::IntArrayRef lengths, at::TensorList plane_codes, at::IntArrayRef plane_bits,
@@ -666,16 +792,8 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   check(float_keys.size() == float_values.size() && !float_keys.empty(),
         "float keys and values must pair up");
   Problem p;
-  p.heads = query.size(0);
-  p.queries = query.size(1);
-  p.dim = query.size(2);
-  p.kv_heads = float_keys[0].size(1);
-  check(p.heads % p.kv_heads == 0, "query heads must be a multiple of KV heads");
-  p.group_size = p.heads / p.kv_heads;
-  p.rows = p.group_size * p.queries;
-  p.padded = (p.rows + RB - 1) / RB * RB;
-  p.query = data<float>(query, "query");
-  p.scale = float(scale);
+  set_heads(p, query.size(0), float_keys[0].size(1), query.size(1), query.size(2),
+            data<float>(query, "query"), scale);
   for (size_t s = 0; s < float_keys.size(); ++s) {
     const Tensor& k = float_keys[s];
     check(k.dim() == 4 && k.size(1) == p.kv_heads && k.size(3) == p.dim &&
@@ -685,81 +803,83 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
     check(!causal || (k.size(0) == 1 && k.size(2) == p.queries),
           "the causal segment must hold exactly the new tokens");
     p.segments.push_back({data<float>(k, "float keys"), data<float>(float_values[s], "float values"),
-                          k.size(0), k.size(2), causal});
+                          k.size(0), k.size(2), causal, k.size(2) * p.dim});
   }
-  Packed& pk = p.packed;
-  pk.blocks = int64_t(lengths.size());
-  pk.group = group;
-  pk.lengths = lengths.data();
-  if (pk.blocks) {
-    check(group % 8 == 0, "groups must be a multiple of 8 tokens");
-    check(value_codes.has_value() && value_scale.has_value(), "packed blocks need value codes");
-    pk.values = token_groups(*value_codes, *value_scale, value_min, value_bits, value_group,
-                             p.dim, "value");
-    pk.value_kernel = values_for(value_group, int(value_bits));
-    if (!plane_codes.empty()) {
-      pk.key_mode = 1;
-      check(key_scale.has_value() && key_min.has_value() && key_offset.has_value(),
-            "channel planes need key scale, min and offset");
-      pk.key_scale = data<at::Half>(*key_scale, "key scale");
-      pk.key_min = data<at::Half>(*key_min, "key min");
-      pk.key_offset = data<float>(*key_offset, "key offset");
-      for (size_t i = 0; i < plane_codes.size(); ++i) {
-        const int bits = int(plane_bits[i]);
-        check(valid_bits(bits), "plane bits must be 1, 2, 3, 4 or 8");
-        pk.planes.push_back({data<uint8_t>(plane_codes[i], "plane codes"),
-                             plane_codes[i].size(-1), plane_index[i].size(-1), bits,
-                             data<int64_t>(plane_index[i], "plane index"),
-                             data<float>(plane_mult[i], "plane mult"), plane_for(group, bits)});
-      }
-    } else {
-      check(key_codes.has_value() && key_scale.has_value(), "packed keys are missing");
-      pk.key_mode = 2;
-      pk.keys = token_groups(*key_codes, *key_scale, key_min, key_bits, key_group, p.dim, "key");
-      pk.key_dots = dots_for(key_group, int(key_bits));
-    }
+  if (!lengths.empty()) {
+    const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
+                          key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
+                          value_group, value_scale, value_min};
+    p.packed = packed_layout(args, group, p.dim);
+    p.packed.blocks = int64_t(lengths.size());
+    p.packed.lengths = lengths.data();
   }
+  return solve({p}, query.options())[0];
+}
 
-  std::vector<Unit> units;
-  for (size_t s = 0; s < p.segments.size(); ++s)
-    for (int64_t b = 0; b < p.segments[s].blocks; ++b) units.push_back({int(s), b});
-  for (int64_t b = 0; b < pk.blocks; ++b) units.push_back({-1, b});
-
-  // Tasks: (KV head, contiguous range of units); enough ranges to keep every thread busy.
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(
-      1, std::min<int64_t>(int64_t(units.size()), (2 * threads + p.kv_heads - 1) / p.kv_heads));
-  const int64_t tasks = p.kv_heads * splits;
-  std::vector<Partial> partials(tasks);
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t h = task / splits, split = task % splits;
-      const int64_t lo = int64_t(units.size()) * split / splits;
-      const int64_t hi = int64_t(units.size()) * (split + 1) / splits;
-      partials[task] = Task(p, h, units.data() + lo, hi - lo).run();
-    }
-  });
-
-  Tensor out = at::zeros({p.heads, p.queries, p.dim}, query.options());
-  float* o = out.data_ptr<float>();
-  for (int64_t h = 0; h < p.kv_heads; ++h) {
-    for (int64_t r = 0; r < p.rows; ++r) {
-      float m = NEG_INF;
-      for (int64_t s = 0; s < splits; ++s) m = std::max(m, partials[h * splits + s].max[r]);
-      if (m == NEG_INF) continue;
-      float total = 0.f;
-      float* dst = o + ((h * p.group_size + r / p.queries) * p.queries + r % p.queries) * p.dim;
-      for (int64_t s = 0; s < splits; ++s) {
-        const Partial& part = partials[h * splits + s];
-        if (part.max[r] == NEG_INF) continue;
-        const float w = std::exp(part.max[r] - m);
-        total += w * part.sum[r];
-        for (int64_t d = 0; d < p.dim; ++d) dst[d] += w * part.acc[r * p.dim + d];
-      }
-      for (int64_t d = 0; d < p.dim; ++d) dst[d] /= total;
-    }
+// A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
+// float slot) over float slots [S, H, T, D] (spans [S, 4]: sink start and length, residual
+// start and length) and pages of one pool read through the block table (pages, held [S, M],
+// counts [S]); per-sequence plane indices, multipliers and key offsets [S or 1, H, ...].
+Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
+                    const Tensor& slot_values, const Tensor& spans, int64_t group,
+                    const Tensor& pages, const Tensor& held, const Tensor& counts,
+                    at::TensorList plane_codes, at::IntArrayRef plane_bits,
+                    at::TensorList plane_index, at::TensorList plane_mult,
+                    const std::optional<Tensor>& key_scale, const std::optional<Tensor>& key_min,
+                    const std::optional<Tensor>& key_offset,
+                    const std::optional<Tensor>& key_codes, int64_t key_bits, int64_t key_group,
+                    const std::optional<Tensor>& value_codes, int64_t value_bits,
+                    int64_t value_group, const std::optional<Tensor>& value_scale,
+                    const std::optional<Tensor>& value_min) {
+  check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
+  const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
+  const int64_t D = query.size(2);
+  check(S > 0, "the batch is empty");
+  check(slot_keys.dim() == 4 && slot_keys.size(0) == S && slot_keys.size(3) == D &&
+            slot_keys.scalar_type() == at::kFloat && slot_keys.sizes() == slot_values.sizes(),
+        "slots must be [S, H, T, D] float32 keys and values of equal shape");
+  check(spans.dim() == 2 && spans.size(0) == S && spans.size(1) == 4, "spans must be [S, 4]");
+  check(pages.dim() == 2 && pages.size(0) == S && held.sizes() == pages.sizes() &&
+            counts.numel() == S, "the block table must be pages, held [S, M] and counts [S]");
+  const int64_t* span = data<int64_t>(spans, "spans");
+  const int64_t* count = data<int64_t>(counts, "counts");
+  const int64_t M = pages.size(1);
+  const float* keys = data<float>(slot_keys, "slot keys");
+  const float* values = data<float>(slot_values, "slot values");
+  Packed pool;
+  const bool packed = value_codes.has_value();
+  if (packed) {
+    const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
+                          key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
+                          value_group, value_scale, value_min};
+    pool = packed_layout(args, group, D);
   }
-  return out;
+  std::vector<Problem> problems(S);
+  for (int64_t s = 0; s < S; ++s) {
+    Problem& p = problems[s];
+    set_heads(p, query.size(1), H, 1, D, data<float>(query, "query") + s * query.size(1) * D,
+              scale);
+    for (int which = 0; which < 2; ++which) {
+      const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
+      check(start >= 0 && length >= 0 && start + length <= T, "spans must lie in the slots");
+      const int64_t at = (s * H * T + start) * D;
+      if (length) p.segments.push_back({keys + at, values + at, 1, length, false, T * D});
+    }
+    check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
+    if (!packed || count[s] == 0) continue;
+    p.packed = pool;
+    p.packed.blocks = count[s];
+    p.packed.lengths = data<int64_t>(held, "held") + s * M;
+    p.packed.pages = data<int64_t>(pages, "pages") + s * M;
+    for (size_t i = 0; i < p.packed.planes.size(); ++i) {
+      Plane& plane = p.packed.planes[i];
+      const int64_t each = plane_index[i].size(0) == S ? H * plane.channels : 0;
+      plane.index += s * each;
+      plane.mult += s * each;
+    }
+    if (p.packed.key_offset && key_offset->size(0) == S) p.packed.key_offset += s * H * D;
+  }
+  return solve(problems, query.options()).squeeze(2);
 }
 
 }  // namespace
@@ -771,6 +891,16 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, Tensor? key_min, "
       "Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, Tensor? value_codes, "
       "int value_bits, int value_group, Tensor? value_scale, Tensor? value_min) -> Tensor");
+  m.def(
+      "decode_batch(Tensor query, float scale, Tensor slot_keys, Tensor slot_values, "
+      "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor[] plane_codes, "
+      "int[] plane_bits, Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, "
+      "Tensor? key_min, Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, "
+      "Tensor? value_codes, int value_bits, int value_group, Tensor? value_scale, "
+      "Tensor? value_min) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvmix, CPU, m) { m.impl("decode", &decode); }
+TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
+  m.impl("decode", &decode);
+  m.impl("decode_batch", &decode_batch);
+}

@@ -28,7 +28,7 @@ import torch
 
 from kvmix.core.packing import row_bytes
 from kvmix.methods import ChannelKeys, KernelView, TokenGroups
-from kvmix.runtime.store import RowStore
+from kvmix.runtime.store import RowView
 
 try:
     import triton
@@ -63,7 +63,7 @@ def check_view(view: KernelView | None, head_dim: int) -> None:
         raise ValueError(f"head_dim={head_dim} is too large for the Triton kernels (<= 256)")
 
 
-def attend(row: RowStore, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
+def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, scaling: float) -> torch.Tensor:
     """query [1, Hq, q, D] of the new tokens, keys, values [1, H, q, D] over everything ``row``
     holds (its blocks read through ``view``) and themselves, causally -> [1, Hq, q, D]."""

@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvmix.runtime.store import RowStore
+from kvmix.runtime.store import RowView
 
 
-def attend(row: RowStore, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+def attend(row: RowView, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            scaling: float) -> torch.Tensor:
     """query [1, Hq, q, D] of the new tokens keys, values [1, H, q, D] over everything ``row``
     holds and themselves (causally) -> [1, Hq, q, D]."""
