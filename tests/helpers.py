@@ -73,12 +73,13 @@ def method_string(name: str, model=None, **layout) -> str:
     return name + ("," if ":" in name else ":") + ",".join(f"{k}={v}" for k, v in layout.items())
 
 
-def make(name: str, backend: str = "torch", **layout) -> KVMixCache:
+def make(name: str, backend: str = "torch", max_batch: int | None = None,
+         max_tokens: int | None = None, **layout) -> KVMixCache:
     method = parse_method(method_string(name, **layout))
     # values of wush / rotate=values come from a folded model; the layer contract needs none
     fold = method.value_fold(model_spec(LlamaConfig(**TINY)))
     return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None,
-                      backend=backend)
+                      backend=backend, max_batch=max_batch, max_tokens=max_tokens)
 
 
 def tokens(batch: int, count: int, seed: int, dtype=torch.float16, device="cpu"):

@@ -174,6 +174,11 @@ class Method:
         """After each later attention call: the new tokens' queries and keys ([B, H, q, D])."""
         return selection
 
+    def follows_decoding(self) -> bool:
+        """Whether ``observe`` changes the selection (online selection); only then does a
+        decode step call it for every sequence."""
+        return False
+
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[Any, Any]:
         """keys, values: [B, Hkv, group, D] -> stored state (real tokens only: the cache keeps

@@ -177,6 +177,9 @@ class PNMix(PerTokenValues):
         chosen = top_mask(score, count // 2 if units < self.spec.head_dim else count)
         return PairMask(pack(chosen, 1), units)
 
+    def follows_decoding(self) -> bool:
+        return self.selection == "online"
+
     def observe(self, selection: Any, queries: torch.Tensor, keys: torch.Tensor,
                 layer: int) -> Any:
         if self.selection != "online":

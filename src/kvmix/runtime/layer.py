@@ -37,7 +37,7 @@ from kvmix.core.quantizers import fused_encoding
 from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import slack_bytes, store_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
-from kvmix.runtime.pool import PagePool
+from kvmix.runtime.pool import PagePool, PoolFull
 from kvmix.runtime.store import BatchStore, RowView, check_finite, invalid
 
 
@@ -113,6 +113,8 @@ class KVMixLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self.stepping = key_states.shape[-2] == 1 and all(self.store.prefilled)
+        if self.stepping:
+            self.store.reserve_step()  # a fixed pool refuses here, before anything changes
         if self.stepping and not checks_every_step():
             self._flag(key_states, value_states)
         else:
@@ -146,7 +148,11 @@ class KVMixLayer(CacheLayerMixin):
             if count > 0:
                 out[rows, :, tail] = self._attend_row(self.store.row(b), q, k, v, scaling)
             new.append((k, v, q))
-        self._commit(new)
+        try:
+            self._commit(new)
+        except PoolFull:
+            self.length -= query.shape[-2]  # refused before anything changed: not staged
+            raise
         return out
 
     def fill(self, keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> None:
@@ -164,6 +170,8 @@ class KVMixLayer(CacheLayerMixin):
     def _commit(self, new: list[tuple[torch.Tensor, ...]]) -> None:
         with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
             self.store.append(new)
+        if self.backend == "cpu":
+            cpu.prepare(self.store)  # the per-sequence views, once per prompt, not per step
 
     def _step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scaling: float) -> torch.Tensor:

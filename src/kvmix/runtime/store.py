@@ -155,8 +155,19 @@ class BatchStore:
         self.keys[rows, :, index] = keys[:, :, 0]
         self.values[rows, :, index] = values[:, :, 0]
 
+    def reserve_step(self) -> None:
+        """Room in the pool for the pages a decode step will seal, or an error before anything
+        changes."""
+        full = self.method.residual - 1
+        self.pool.reserve(sum(self._to_residual(b) and self.res_len[b] >= full
+                              for b in range(self.batch)))
+
+    def _to_residual(self, b: int) -> bool:
+        """Whether row b's next token enters the residual (else the sink, while it fills)."""
+        return bool(self.pages[b]) or self.res_len[b] > 0 or self.sink_len[b] >= self.method.sink
+
     def _slot(self, b: int) -> int:
-        if not self.pages[b] and self.res_len[b] == 0 and self.sink_len[b] < self.method.sink:
+        if not self._to_residual(b):
             self.sink_len[b] += 1
             return self.sink_len[b] - 1
         self.res_len[b] += 1
@@ -164,7 +175,7 @@ class BatchStore:
 
     def observe_step(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
         """Methods that follow decoding (online selection) see each row's new token."""
-        if type(self.method).observe is Method.observe:
+        if not self.method.follows_decoding():
             return
         for b in range(self.batch):
             rows = slice(b, b + 1)

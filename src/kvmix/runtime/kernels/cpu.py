@@ -90,6 +90,13 @@ def batched(store: BatchStore) -> bool:
     return store.keys.dtype == torch.float32 and _pool_arguments(store) is not None
 
 
+def prepare(store: BatchStore) -> None:
+    """Build the arguments ``attend_batch`` reuses (per-sequence plane views: one
+    ``kernel_view`` call per sequence), so that decode steps do not."""
+    if store.keys.dtype == torch.float32:
+        _pool_arguments(store)
+
+
 def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds -> [B, Hq, 1, D]."""
@@ -134,12 +141,10 @@ def _table(store: BatchStore) -> list[torch.Tensor]:
     cached = _TABLES.get(store)
     if cached is None or cached[0] != store.table_version:
         width = max(1, *(len(p) for p in store.pages))
-        pages = torch.zeros(store.batch, width, dtype=torch.long)
-        held = torch.zeros(store.batch, width, dtype=torch.long)
-        for b, (ids, tokens) in enumerate(zip(store.pages, store.held, strict=True)):
-            pages[b, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            held[b, : len(ids)] = torch.tensor(tokens, dtype=torch.long)
-        counts = torch.tensor([len(p) for p in store.pages], dtype=torch.long)
+        pad = [[0] * (width - len(p)) for p in store.pages]
+        pages = torch.tensor([p + z for p, z in zip(store.pages, pad, strict=True)])
+        held = torch.tensor([h + z for h, z in zip(store.held, pad, strict=True)])
+        counts = torch.tensor([len(p) for p in store.pages])
         cached = store.table_version, [pages, held, counts]
         _TABLES[store] = cached
     return cached[1]

@@ -1,0 +1,191 @@
+"""The paged pool under the batch: one op call per layer step, no host syncs, shared pages,
+fixed capacity refused before anything changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import FAST, D, make, tokens
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from kvmix.core.memory import reachable_bytes
+from kvmix.core.tree import tagged_tensors
+from kvmix.runtime.kernels import cpu
+from kvmix.runtime.layer import take_pending
+
+pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is not built")
+BATCHED = [m for m in FAST if not m.startswith("full")]  # full's float pages: per sequence
+
+
+def left_padded(lengths: list[int]) -> torch.Tensor:
+    """[B, 1, T, T] bool mask of left-padded rows holding ``lengths`` real tokens."""
+    total = max(lengths)
+    valid = torch.stack([torch.arange(total) >= total - n for n in lengths])  # [B, T]
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    return (valid[:, None, None, :] & causal)[:, None].squeeze(1)
+
+
+def prefill(cache, lengths: list[int], seed: int = 0) -> None:
+    keys, values, queries = tokens(len(lengths), max(lengths), seed, dtype=torch.float32)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    layer.attend(cache.method.transform_queries(queries, 0), left_padded(lengths), D**-0.5)
+
+
+def step(cache, batch: int, seed: int, staged=None) -> torch.Tensor:
+    keys, values, queries = staged or tokens(batch, 1, seed, dtype=torch.float32)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    return layer.attend(cache.method.transform_queries(queries, 0), None, D**-0.5)
+
+
+@pytest.mark.parametrize("name", BATCHED)
+def test_one_batched_call_matches_the_reference_on_a_ragged_batch(name):
+    """Rows of different lengths (left padding): each decode step's output from one op call
+    equals the reference path's, and both caches store the same pages bit for bit."""
+    lengths = [45, 9, 30]
+    fast, exact = make(name, backend="cpu"), make(name, backend="torch")
+    for cache in (fast, exact):
+        prefill(cache, lengths)
+    for i in range(30):
+        torch.testing.assert_close(step(fast, 3, 100 + i), step(exact, 3, 100 + i), rtol=1e-5,
+                                   atol=1e-5)
+    for a, b in zip(fast.layers[0].rows, exact.layers[0].rows, strict=True):
+        assert a.lengths == b.lengths and a.lengths
+        pairs = zip(tagged_tensors(a.blocks, ""), tagged_tensors(b.blocks, ""), strict=True)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in pairs)
+
+
+class Calls(TorchDispatchMode):
+    """Counts the ops dispatched inside the block, kvmix's own apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.kvmix = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        self.kvmix += func.namespace == "kvmix"
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush"])
+def test_calls_per_layer_step_do_not_grow_with_the_batch(name):
+    """Ops dispatched per layer step (flushes included), the pool sized up front."""
+    counts = {}
+    for batch in (1, 4, 16):
+        cache = make(name, backend="cpu", max_batch=batch, max_tokens=80)
+        prefill(cache, [40] * batch)
+        calls = []
+        for i in range(20):  # group 8: pages sealed at two of the steps
+            staged = tokens(batch, 1, 50 + i, dtype=torch.float32)
+            with Calls() as mode:
+                step(cache, batch, 0, staged)
+            calls.append((mode.kvmix, mode.ops))
+        counts[batch] = calls
+    assert all(kvmix == 1 for kvmix, _ in counts[1])  # one op call per layer step
+    assert counts[4] == counts[16]
+    # batch 1 may take a broadcasting view more, never fewer ops
+    assert all(one[1] >= four[1] for one, four in zip(counts[1], counts[4], strict=True))
+
+
+class Syncs:
+    """Counts Tensor.item, Tensor.tolist and Tensor.__bool__ calls while patched."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        for name in ("item", "tolist", "__bool__"):
+            real = getattr(torch.Tensor, name)
+            monkeypatch.setattr(torch.Tensor, name, self._counted(real))
+
+    def _counted(self, real):
+        def counted(tensor, *args, **kwargs):
+            self.count += 1
+            return real(tensor, *args, **kwargs)
+        return counted
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "ggml", "full"])
+def test_decode_steps_of_a_padded_batch_never_sync(name, backend, monkeypatch):
+    cache = make(name, backend=backend)
+    prefill(cache, [37, 12, 25, 3])
+    syncs = Syncs(monkeypatch)
+    for i in range(20):
+        step(cache, 4, 200 + i)
+    assert syncs.count == 0
+    monkeypatch.undo()
+    assert cache.layers[0].rows[0].lengths  # pages were sealed during the steps
+
+
+def test_a_non_finite_decode_step_is_caught_at_the_next_check():
+    cache = make("kivi2", backend="cpu")
+    prefill(cache, [20, 20])
+    keys, values, queries = tokens(2, 1, 7, dtype=torch.float32)
+    keys[1, 0, 0, 3] = float("nan")
+    cache.update(keys, values, 0)
+    take_pending().attend(queries, None, D**-0.5)
+    with pytest.raises(ValueError, match="non-finite keys or values in layer 0"):
+        cache.check()
+    cache.check()  # read once: the flag is spent
+
+
+def test_beams_share_sealed_pages_and_bytes_count_them_once():
+    cache = make("kivi2", backend="cpu")
+    prefill(cache, [45, 45])
+    pool = cache.layers[0].pool
+    used = pool.used
+    cache.batch_repeat_interleave(3)
+    assert pool.used == used  # no page copied
+    assert max(pool.refs) == 3
+    assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
+    for i in range(10):
+        step(cache, 6, 300 + i)
+    cache.batch_select_indices(torch.tensor([0]))
+    assert sorted(set(range(pool.capacity)) - set(pool.free)) == sorted(
+        cache.layers[0].store.pages[0])  # every other page returned to the pool
+    assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
+
+
+def test_the_pool_grows_by_doubling_and_never_reconcatenates():
+    cache = make("kivi2", backend="cpu")
+    prefill(cache, [20])
+    pool = cache.layers[0].pool
+    grown = []
+    for i in range(200):
+        version = pool.version
+        step(cache, 1, 400 + i)
+        if pool.version != version:
+            grown.append(pool.capacity)
+    assert len(grown) >= 3 and all(b == 2 * a for a, b in zip(grown, grown[1:], strict=False))
+    assert pool.used <= pool.capacity < 2 * pool.used + 2
+
+
+def test_a_fixed_pool_refuses_before_anything_changes():
+    """max_batch/max_tokens size the pool; beyond it: an error naming the capacity, and the
+    cache holds exactly what it held."""
+    from conftest import TINY
+    from helpers import PAIRS, method_string
+    from transformers import LlamaConfig
+
+    from kvmix.runtime.cache import KVMixCache
+
+    def fixed(**size):
+        return KVMixCache(method_string("kivi2"), LlamaConfig(**TINY), PAIRS, backend="cpu",
+                          **size)
+
+    with pytest.raises(ValueError, match="max_batch=2"):
+        prefill(fixed(max_batch=2, max_tokens=64), [10, 10, 10])
+    cache = fixed(max_batch=2, max_tokens=40)  # sink 4 + residual 16: 3 pages of 8 each
+    prefill(cache, [40, 40])
+    assert cache.layers[0].pool.capacity == 6
+    before = [row.history(torch.float32) for row in cache.layers[0].rows]
+    with pytest.raises(ValueError, match="max_pages=6"):
+        for i in range(8):
+            step(cache, 2, 500 + i)
+    after = [row.history(torch.float32) for row in cache.layers[0].rows]
+    assert all(len(row) == cache.get_seq_length() for row in cache.layers[0].rows)
+    assert all(torch.equal(a[0], b[0][..., : a[0].shape[-2], :]) for a, b in zip(
+        before, after, strict=True))
+    with pytest.raises(ValueError, match="give both"):
+        fixed(max_batch=2)
