@@ -14,7 +14,7 @@ from kvmix.runtime.kernels import cpu
 from kvmix.runtime.layer import take_pending
 
 pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is not built")
-BATCHED = [m for m in FAST if not m.startswith("full")]  # full's float pages: per sequence
+
 
 
 def left_padded(lengths: list[int]) -> torch.Tensor:
@@ -39,7 +39,7 @@ def step(cache, batch: int, seed: int, staged=None) -> torch.Tensor:
     return layer.attend(cache.method.transform_queries(queries, 0), None, D**-0.5)
 
 
-@pytest.mark.parametrize("name", BATCHED)
+@pytest.mark.parametrize("name", FAST)
 def test_one_batched_call_matches_the_reference_on_a_ragged_batch(name):
     """Rows of different lengths (left padding): each decode step's output from one op call
     equals the reference path's, and both caches store the same pages bit for bit."""

@@ -117,22 +117,31 @@ def _pool_arguments(store: BatchStore) -> list | None:
 
 
 def _pool_view(store: BatchStore) -> list | None:
-    """The op's arguments after ``counts``: the pool's codes and statistics, with per-sequence
-    plane indices, multipliers and key offsets stacked [B, H, ...]; None without a view."""
+    """The op's arguments after ``counts``: float pages, or the pool's codes and statistics
+    with per-sequence plane indices, multipliers and key offsets stacked [B, H, ...]; None
+    where the pool has no view the op reads."""
     if store.pool.pages is None:
-        return _packed_arguments(None, None)[1:]
+        return [None, None, *_packed_arguments(None, None)[1:]]
     pool = map_tensors(store.pool.pages, lambda t: t.unsqueeze(0))  # one "sequence" of pages
-    views = [store.method.kernel_view(pool, store.layer, s) for s in store.selections]
-    if any(v is None or isinstance(v.keys, torch.Tensor) for v in views):
+    selections = {id(s): s for s in store.selections}  # one view per distinct selection
+    views = {key: store.method.kernel_view(pool, store.layer, s) for key, s in selections.items()}
+    if any(v is None for v in views.values()) or store.method.group % 8:
         return None
-    if store.method.group % 8 or views[0].values.group % 8:
+    first = next(iter(views.values()))
+    if isinstance(first.keys, torch.Tensor):  # float pages [P, H, G, D]
+        if first.keys.dtype != torch.float32:
+            return None
+        return [first.keys, first.values, *_packed_arguments(None, None)[1:]]
+    if first.values.group % 8:
         return None
-    arguments = _packed_arguments(None, views[0])[1:]
-    if isinstance(views[0].keys, ChannelKeys):  # planes and offsets differ by selection
-        planes = [v.keys.planes for v in views]
-        arguments[2] = [torch.stack([p[i].index for p in planes]) for i in range(len(planes[0]))]
-        arguments[3] = [torch.stack([p[i].mult for p in planes]) for i in range(len(planes[0]))]
-        arguments[6] = torch.stack([v.keys.offset.float() for v in views]).contiguous()
+    arguments = [None, None, *_packed_arguments(None, first)[1:]]
+    if isinstance(first.keys, ChannelKeys):  # planes and offsets differ by selection
+        planes = [views[id(s)].keys.planes for s in store.selections]
+        count = range(len(first.keys.planes))
+        arguments[4] = [torch.stack([p[i].index for p in planes]) for i in count]
+        arguments[5] = [torch.stack([p[i].mult for p in planes]) for i in count]
+        arguments[8] = torch.stack([views[id(s)].keys.offset.float()
+                                    for s in store.selections]).contiguous()
     return arguments
 
 

@@ -819,11 +819,13 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
 // float slot) over float slots [S, H, T, D] (spans [S, 4]: sink start and length, residual
 // start and length) and pages of one pool read through the block table (pages, held [S, M],
-// counts [S]); per-sequence plane indices, multipliers and key offsets [S or 1, H, ...].
+// counts [S]): float pages [P, H, G, D] (the `full` method), or packed ones with per-sequence
+// plane indices, multipliers and key offsets [S or 1, H, ...].
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
-                    at::TensorList plane_codes, at::IntArrayRef plane_bits,
+                    const std::optional<Tensor>& page_keys,
+                    const std::optional<Tensor>& page_values, at::TensorList plane_codes, at::IntArrayRef plane_bits,
                     at::TensorList plane_index, at::TensorList plane_mult,
                     const std::optional<Tensor>& key_scale, const std::optional<Tensor>& key_min,
                     const std::optional<Tensor>& key_offset,
@@ -848,6 +850,12 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const float* values = data<float>(slot_values, "slot values");
   Packed pool;
   const bool packed = value_codes.has_value();
+  const bool floats = page_keys.has_value();
+  if (floats)
+    check(page_keys->dim() == 4 && page_keys->size(1) == H && page_keys->size(2) == group &&
+              page_keys->size(3) == D && page_keys->scalar_type() == at::kFloat &&
+              page_values.has_value() && page_values->sizes() == page_keys->sizes(),
+          "float pages must be [P, H, G, D] float32 keys and values");
   if (packed) {
     const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
                           key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
@@ -866,11 +874,24 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
       if (length) p.segments.push_back({keys + at, values + at, 1, length, false, T * D});
     }
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
+    const int64_t* ids = data<int64_t>(pages, "pages") + s * M;
+    const int64_t* tokens = data<int64_t>(held, "held") + s * M;
+    for (int64_t n = 0; floats && n < count[s]; ++n) {  // a float page is a float segment
+      check(ids[n] >= 0 && ids[n] < page_keys->size(0) && tokens[n] <= group,
+            "the block table names a page outside the pool, or more tokens than a group");
+      const int64_t at = ids[n] * H * group * D;
+      p.segments.push_back({data<float>(*page_keys, "page keys") + at,
+                            data<float>(*page_values, "page values") + at, 1, tokens[n], false,
+                            group * D});
+    }
     if (!packed || count[s] == 0) continue;
+    for (int64_t n = 0; n < count[s]; ++n)
+      check(ids[n] >= 0 && ids[n] < value_codes->size(0) && tokens[n] <= group,
+            "the block table names a page outside the pool, or more tokens than a group");
     p.packed = pool;
     p.packed.blocks = count[s];
-    p.packed.lengths = data<int64_t>(held, "held") + s * M;
-    p.packed.pages = data<int64_t>(pages, "pages") + s * M;
+    p.packed.lengths = tokens;
+    p.packed.pages = ids;
     for (size_t i = 0; i < p.packed.planes.size(); ++i) {
       Plane& plane = p.packed.planes[i];
       const int64_t each = plane_index[i].size(0) == S ? H * plane.channels : 0;
@@ -893,7 +914,8 @@ TORCH_LIBRARY(kvmix, m) {
       "int value_bits, int value_group, Tensor? value_scale, Tensor? value_min) -> Tensor");
   m.def(
       "decode_batch(Tensor query, float scale, Tensor slot_keys, Tensor slot_values, "
-      "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor[] plane_codes, "
+      "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor? page_keys, "
+      "Tensor? page_values, Tensor[] plane_codes, "
       "int[] plane_bits, Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, "
       "Tensor? key_min, Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, "
       "Tensor? value_codes, int value_bits, int value_group, Tensor? value_scale, "
