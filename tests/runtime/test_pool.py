@@ -3,6 +3,8 @@ fixed capacity refused before anything changes."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from helpers import FAST, D, make, tokens
@@ -157,7 +159,7 @@ def test_the_pool_grows_by_doubling_and_never_reconcatenates():
         step(cache, 1, 400 + i)
         if pool.version != version:
             grown.append(pool.capacity)
-    assert len(grown) >= 3 and all(b == 2 * a for a, b in zip(grown, grown[1:], strict=False))
+    assert len(grown) >= 3 and all(b == 2 * a for a, b in itertools.pairwise(grown))
     assert pool.used <= pool.capacity < 2 * pool.used + 2
 
 

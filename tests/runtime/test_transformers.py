@@ -140,3 +140,26 @@ def test_per_layer_bits_are_used_per_layer(tiny_model):
     assert (first.values.bits, second.values.bits) == (2, 4)
     assert second.keys.codes.numel() == 8 * first.keys.codes.numel()
     assert torch.isfinite(dequantize(first.keys)).all()
+
+
+def test_a_padded_prefill_hands_kvmix_layers_one_mask_row(monkeypatch):
+    """No [B, 1, T, T] mask for a kvmix layer: it reads each row's padding from one row; a
+    layer kvmix does not serve (sliding) still gets the full mask, and the logits are
+    DynamicCache's."""
+    model = tiny_llama(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    ids[0, :5], mask[0, :5] = 0, 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    seen = []
+    real = kvmix.runtime.layer.KVMixLayer.attend
+    monkeypatch.setattr(kvmix.runtime.layer.KVMixLayer, "attend",
+                        lambda self, q, m, s: seen.append(m.shape) or real(self, q, m, s))
+    with torch.no_grad(), pytest.warns(UserWarning, match="full-attention layers only"):
+        ours = model(ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                     cache=kvmix.make_cache(model, f"full:{SMALL}")).logits
+    reference = model(ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      cache=DynamicCache(config=model.config)).logits
+    assert seen == [torch.Size([2, 1, 1, 30])]
+    torch.testing.assert_close(ours[1], reference[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours[0, 5:], reference[0, 5:], rtol=0, atol=1e-5)

@@ -199,7 +199,7 @@ def _start(model, ids: torch.Tensor, name: str, backend: str, build: Callable,
     base = heap_bytes()
     runner, cache, selecting = build(model)
     start = time.perf_counter()
-    logits = runner(ids.to(runner.device), cache=cache, use_cache=True).logits
+    logits = runner(ids.to(runner.device), cache=cache, use_cache=True, logits_to_keep=1).logits
     _sync(runner.device)
     prefill = time.perf_counter() - start
     token = logits[:, -1:].argmax(-1)  # [1, 1]

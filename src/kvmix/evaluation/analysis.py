@@ -46,7 +46,7 @@ def capture(model, ids: torch.Tensor, context: int) -> Captured:
     cache = make_cache(model, "full")  # exact: reproduces DynamicCache
     ids = ids.to(model.device)
     with observe_attention(model, prefill):
-        model(ids[:, :context], cache=cache, use_cache=True)
+        model(ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)
     if ids.shape[1] > context:
         with observe_attention(model, decode):
             model(ids[:, context:], cache=cache, use_cache=True)

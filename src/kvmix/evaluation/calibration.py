@@ -39,7 +39,7 @@ def collect_moments(model, ids: torch.Tensor, chunk: int) -> dict[str, torch.Ten
     with observe_attention(model, observe), Progress(console=console, transient=True) as bar:
         task = bar.add_task("calibrating", total=ids.shape[1])
         for start in range(0, ids.shape[1], chunk):
-            model(ids[:, start : start + chunk], cache=cache, use_cache=True)
+            model(ids[:, start : start + chunk], cache=cache, use_cache=True, logits_to_keep=1)
             bar.advance(task, min(chunk, ids.shape[1] - start))
     count = ids.numel()
     return {side: torch.stack([per[layer] for layer in sorted(per)]) / count

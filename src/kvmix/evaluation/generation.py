@@ -57,7 +57,7 @@ def paired_decode(model, reference: str, method: str, prompts: list[list[int]], 
     tokens, kl = [], []
     for _ in range(steps):
         logits = [_last(runner(step, attention_mask=mask, cache=cache, use_cache=True,
-                               position_ids=position))
+                               position_ids=position, logits_to_keep=1))
                   for runner, cache in runs]  # [B, V] each
         kl.append(_kl(*logits))
         step = logits[0 if follow == "reference" else 1].argmax(-1, keepdim=True)  # [B, 1]

@@ -64,7 +64,8 @@ class KVMixLM(HFLM):
         inputs = torch.tensor([tokens[:-1]], device=self.device)  # [1, T]
         split = inputs.shape[1] - count + 1
         cache = self._fresh_cache()
-        logits = [self.model(inputs[:, :split], cache=cache, use_cache=True).logits[:, -1:]]
+        logits = [self.model(inputs[:, :split], cache=cache, use_cache=True,
+                             logits_to_keep=1).logits]
         for start in range(split, inputs.shape[1], self.chunk):
             chunk = inputs[:, start : start + self.chunk]
             logits.append(self.model(chunk, cache=cache, use_cache=True).logits)

@@ -63,7 +63,7 @@ def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: i
     model = prepare_model(model, method)  # a folded copy for methods that fold into weights
     cache = make_cache(model, method, backend)
     start = time.perf_counter()
-    model(ids[:, :context], cache=cache, use_cache=True)
+    model(ids[:, :context], cache=cache, use_cache=True, logits_to_keep=1)  # logits unused
     logprobs = []
     for begin in range(context, ids.shape[1] - 1, chunk):
         piece = ids[:, begin : min(begin + chunk, ids.shape[1] - 1)]  # [1, c]

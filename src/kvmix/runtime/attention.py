@@ -42,14 +42,50 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     for observe in _OBSERVERS:
         observe(module.layer_idx, query, key, value, scaling)
     if layer is None:
+        if isinstance(attention_mask, RowMask):
+            attention_mask = attention_mask.full()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if isinstance(attention_mask, RowMask):
+        attention_mask = attention_mask.last_row()  # [B, 1, 1, T]: all a kvmix layer reads
     out = layer.attend(query, attention_mask, scaling)  # [B, Hq, q, D]
     return out.transpose(1, 2).contiguous(), None
 
 
+class RowMask:
+    """The ``kvmix`` mask function's answer for a chunk of queries: the arguments of
+    transformers' SDPA mask instead of the mask. A kvmix layer reads only the last query row
+    (each row's padding), [B, 1, 1, T]; a layer kvmix does not serve gets the full
+    [B, 1, q, T] mask, built when first asked (for a padded prefill of 8 × 32K tokens that is
+    8.6 GB, which a model whose layers are all kvmix's never builds)."""
+
+    def __init__(self, arguments: dict[str, Any]):
+        self.arguments = arguments
+        self._rows: dict[str, torch.Tensor | None] = {}
+
+    def last_row(self) -> torch.Tensor | None:
+        if "last" not in self._rows:
+            q = self.arguments["q_length"]
+            offset = self.arguments.get("q_offset", 0) + q - 1
+            self._rows["last"] = sdpa_mask(**{**self.arguments, "q_length": 1,
+                                              "q_offset": offset})
+        return self._rows["last"]
+
+    def full(self) -> torch.Tensor | None:
+        if "full" not in self._rows:
+            self._rows["full"] = sdpa_mask(**self.arguments)
+        return self._rows["full"]
+
+
+def kvmix_mask(*args, **kwargs) -> torch.Tensor | RowMask | None:
+    """transformers' SDPA mask for a decode step (one row already); a ``RowMask`` otherwise."""
+    if args or kwargs.get("q_length", 1) == 1:
+        return sdpa_mask(*args, **kwargs)
+    return RowMask(kwargs)
+
+
 def register() -> None:
     AttentionInterface.register(NAME, kvmix_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, kvmix_mask)
 
 
 def use_kvmix_attention(model: Any) -> None:

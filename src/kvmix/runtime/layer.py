@@ -32,7 +32,6 @@ from collections import Counter
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from kvmix.core.memory import kind_bytes
 from kvmix.core.quantizers import fused_encoding
 from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import slack_bytes, store_bytes

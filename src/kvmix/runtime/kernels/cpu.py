@@ -5,10 +5,11 @@ torch op ``torch.ops.kvmix.decode``.
 ``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries of one
 sequence: the same inputs, the same output, without building a float history.
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
-sequence's float slots and its pages in the layer's pool, read through the block table. Flags: ``-O3 -march=native`` (the
-cache key holds the CPU); never ``-ffast-math`` (masked scores are -inf). Threads come from
-torch's own pool: ``at::parallel_for`` is inline OpenMP in torch's build, so the op is built
-with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy torch ships and has loaded.
+sequence's float slots and its pages in the layer's pool, read through the block table.
+Flags: ``-O3 -march=native`` (the cache key holds the CPU); never ``-ffast-math`` (masked
+scores are -inf). Threads come from torch's own pool: ``at::parallel_for`` is inline OpenMP in
+torch's build, so the op is built with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy
+torch ships and has loaded.
 """
 
 from __future__ import annotations
