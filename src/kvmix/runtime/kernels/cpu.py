@@ -20,13 +20,12 @@ import os
 import platform
 import subprocess
 import sys
-import weakref
 from pathlib import Path
 
 import torch
 
-from kvmix.core.tree import map_tensors
 from kvmix.methods import ChannelKeys, KernelView
+from kvmix.runtime.kernels import batch
 from kvmix.runtime.store import BatchStore, RowView
 
 SOURCE = Path(__file__).with_name("decode.cpp")
@@ -77,87 +76,49 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     return out.unsqueeze(0).to(dtype)
 
 
-# Per store: (versions, arguments) of the pool's view and of the block table, rebuilt when
-# selections, the pool's tensors or the table change (kept outside the cache: its bytes are
-# the cache's own only).
-_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def batched(store: BatchStore) -> bool:
     """Whether ``attend_batch`` reads this store: float32 slots and, once pages exist, a
-    packed kernel view of them (``full``'s float pages and methods without a fast path go
-    through ``attend`` per sequence)."""
-    return store.keys.dtype == torch.float32 and _pool_arguments(store) is not None
+    view of them the op reads (float32 float pages, or packed ones whose groups are multiples
+    of 8); other methods go through ``attend`` per sequence."""
+    if store.keys.dtype != torch.float32:
+        return False
+    pool = batch.pool_view(store)
+    if pool is None or pool.view is None:
+        return pool is not None
+    keys = pool.view.keys
+    if isinstance(keys, torch.Tensor):
+        return keys.dtype == torch.float32
+    return store.method.group % 8 == 0 and pool.view.values.group % 8 == 0
 
 
 def prepare(store: BatchStore) -> None:
-    """Build the arguments ``attend_batch`` reuses (per-sequence plane views: one
-    ``kernel_view`` call per sequence), so that decode steps do not."""
+    """Build what ``attend_batch`` reuses (the per-sequence views: one ``kernel_view`` call per
+    distinct selection) at the prompt, so that decode steps do not."""
     if store.keys.dtype == torch.float32:
-        _pool_arguments(store)
+        batch.pool_view(store)
 
 
 def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds -> [B, Hq, 1, D]."""
     spans = torch.tensor(store.float_spans(), dtype=torch.long)  # [B, 4]
+    table = batch.table(store)
     out = torch.ops.kvmix.decode_batch(_float32(query[:, :, 0]), scaling, store.keys,
-                                       store.values, spans, store.method.group,
-                                       *_table(store), *_pool_arguments(store))
+                                       store.values, spans, store.method.group, table.pages,
+                                       table.held, table.counts,
+                                       *_pool_arguments(batch.pool_view(store)))
     return out.unsqueeze(2).to(query.dtype)
 
 
-def _pool_arguments(store: BatchStore) -> list | None:
-    key = (store.version, store.pool.version, store.batch, store.pool.pages is None)
-    cached = _VIEWS.get(store)
-    if cached is None or cached[0] != key:
-        cached = key, _pool_view(store)
-        _VIEWS[store] = cached
-    return cached[1]
-
-
-def _pool_view(store: BatchStore) -> list | None:
+def _pool_arguments(pool: batch.PoolView) -> list:
     """The op's arguments after ``counts``: float pages, or the pool's codes and statistics
-    with per-sequence plane indices, multipliers and key offsets stacked [B, H, ...]; None
-    where the pool has no view the op reads."""
-    if store.pool.pages is None:
-        return [None, None, *_packed_arguments(None, None)[1:]]
-    pool = map_tensors(store.pool.pages, lambda t: t.unsqueeze(0))  # one "sequence" of pages
-    selections = {id(s): s for s in store.selections}  # one view per distinct selection
-    views = {key: store.method.kernel_view(pool, store.layer, s) for key, s in selections.items()}
-    if any(v is None for v in views.values()) or store.method.group % 8:
-        return None
-    first = next(iter(views.values()))
-    if isinstance(first.keys, torch.Tensor):  # float pages [P, H, G, D]
-        if first.keys.dtype != torch.float32:
-            return None
-        return [first.keys, first.values, *_packed_arguments(None, None)[1:]]
-    if first.values.group % 8:
-        return None
-    arguments = [None, None, *_packed_arguments(None, first)[1:]]
-    if isinstance(first.keys, ChannelKeys):  # planes and offsets differ by selection
-        planes = [views[id(s)].keys.planes for s in store.selections]
-        count = range(len(first.keys.planes))
-        arguments[4] = [torch.stack([p[i].index for p in planes]) for i in count]
-        arguments[5] = [torch.stack([p[i].mult for p in planes]) for i in count]
-        arguments[8] = torch.stack([views[id(s)].keys.offset.float()
-                                    for s in store.selections]).contiguous()
+    with each sequence's plane channels, multipliers and key offsets."""
+    if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
+        return [pool.view.keys, pool.view.values, *_packed_arguments(None, None)[1:]]
+    arguments = [None, None, *_packed_arguments(None, pool.view)[1:]]
+    if pool.offset is not None:
+        arguments[4], arguments[5], arguments[8] = pool.index, pool.mult, pool.offset
     return arguments
-
-
-def _table(store: BatchStore) -> list[torch.Tensor]:
-    """pages, held [B, M] and counts [B], int64 (the block table, padded with page 0)."""
-    cached = _TABLES.get(store)
-    if cached is None or cached[0] != store.table_version:
-        width = max(1, *(len(p) for p in store.pages))
-        pad = [[0] * (width - len(p)) for p in store.pages]
-        pages = torch.tensor([p + z for p, z in zip(store.pages, pad, strict=True)])
-        held = torch.tensor([h + z for h, z in zip(store.held, pad, strict=True)])
-        counts = torch.tensor([len(p) for p in store.pages])
-        cached = store.table_version, [pages, held, counts]
-        _TABLES[store] = cached
-    return cached[1]
 
 
 def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:
