@@ -11,6 +11,7 @@ from conftest import TINY, tiny_llama
 from transformers import LlamaConfig
 
 from kvmix.core.transforms import TransformSet, save_transforms
+from kvmix.core.tree import tagged_tensors
 from kvmix.evaluation.calibration import collect_moments, compute_transforms
 from kvmix.methods import method_classes, method_names, parse_method, presets
 from kvmix.runtime.cache import KVMixCache, model_spec
@@ -154,3 +155,56 @@ def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None
         worst = max(worst, ((fast - exact).abs().max() / exact.abs().max()).item())
     layer.attend(queries, mask, D**-0.5)
     return worst
+
+
+def left_padded(lengths: list[int]) -> torch.Tensor:
+    """[B, 1, T, T] bool mask of left-padded rows holding ``lengths`` real tokens."""
+    total = max(lengths)
+    valid = torch.stack([torch.arange(total) >= total - n for n in lengths])  # [B, T]
+    causal = torch.ones(total, total, dtype=torch.bool).tril()
+    return valid[:, None, None, :] & causal
+
+
+def prefill(cache, lengths: list[int], seed: int = 0, device="cpu") -> None:
+    """A left-padded prompt of ``lengths`` real tokens per row into layer 0."""
+    keys, values, queries = tokens(len(lengths), max(lengths), seed, dtype=torch.float32,
+                                   device=device)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    layer.attend(cache.method.transform_queries(queries, 0), left_padded(lengths).to(device),
+                 D**-0.5)
+
+
+def step(cache, batch: int, seed: int, staged=None, device="cpu") -> torch.Tensor:
+    """One decode step of layer 0 (one new token per row) -> its output [B, HQ, 1, D]."""
+    keys, values, queries = staged or tokens(batch, 1, seed, dtype=torch.float32, device=device)
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    return layer.attend(cache.method.transform_queries(queries, 0), None, D**-0.5)
+
+
+def compare_batched(name: str, backend: str, steps: int, device="cpu",
+                    lengths: tuple[int, ...] = (45, 9, 30)) -> None:
+    """Rows of different lengths (left padding): each decode step's output from the backend's
+    one batched call equals the reference path's, and both caches seal the same pages bit for
+    bit."""
+    from kvmix.runtime.kernels import cpu, gpu
+
+    fast, exact = make(name, backend=backend), make(name, backend="torch")
+    for cache in (fast, exact):
+        prefill(cache, list(lengths), device=device)
+    kernels = {"cpu": cpu, "triton": gpu}[backend]
+    real, used = kernels.attend_batch, []
+    kernels.attend_batch = lambda *a, **k: used.append(1) or real(*a, **k)
+    try:
+        for i in range(steps):
+            staged = tokens(len(lengths), 1, 100 + i, dtype=torch.float32, device=device)
+            torch.testing.assert_close(step(fast, 0, 0, staged), step(exact, 0, 0, staged),
+                                       rtol=1e-5, atol=1e-5)
+    finally:
+        kernels.attend_batch = real
+    assert len(used) == steps  # every step was one batched call
+    for a, b in zip(fast.layers[0].rows, exact.layers[0].rows, strict=True):
+        assert a.lengths == b.lengths and a.lengths
+        pairs = zip(tagged_tensors(a.blocks, ""), tagged_tensors(b.blocks, ""), strict=True)
+        assert all(torch.equal(x, y) for (_, x), (_, y) in pairs)

@@ -7,11 +7,10 @@ import itertools
 
 import pytest
 import torch
-from helpers import FAST, D, make, tokens
+from helpers import FAST, D, compare_batched, make, prefill, step, tokens
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvmix.core.memory import reachable_bytes
-from kvmix.core.tree import tagged_tensors
 from kvmix.runtime.kernels import cpu
 from kvmix.runtime.layer import take_pending
 
@@ -19,43 +18,9 @@ pytestmark = pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is no
 
 
 
-def left_padded(lengths: list[int]) -> torch.Tensor:
-    """[B, 1, T, T] bool mask of left-padded rows holding ``lengths`` real tokens."""
-    total = max(lengths)
-    valid = torch.stack([torch.arange(total) >= total - n for n in lengths])  # [B, T]
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    return (valid[:, None, None, :] & causal)[:, None].squeeze(1)
-
-
-def prefill(cache, lengths: list[int], seed: int = 0) -> None:
-    keys, values, queries = tokens(len(lengths), max(lengths), seed, dtype=torch.float32)
-    cache.update(keys, values, 0)
-    layer = take_pending()
-    layer.attend(cache.method.transform_queries(queries, 0), left_padded(lengths), D**-0.5)
-
-
-def step(cache, batch: int, seed: int, staged=None) -> torch.Tensor:
-    keys, values, queries = staged or tokens(batch, 1, seed, dtype=torch.float32)
-    cache.update(keys, values, 0)
-    layer = take_pending()
-    return layer.attend(cache.method.transform_queries(queries, 0), None, D**-0.5)
-
-
 @pytest.mark.parametrize("name", FAST)
 def test_one_batched_call_matches_the_reference_on_a_ragged_batch(name):
-    """Rows of different lengths (left padding): each decode step's output from one op call
-    equals the reference path's, and both caches store the same pages bit for bit."""
-    lengths = [45, 9, 30]
-    fast, exact = make(name, backend="cpu"), make(name, backend="torch")
-    for cache in (fast, exact):
-        prefill(cache, lengths)
-    for i in range(30):
-        torch.testing.assert_close(step(fast, 3, 100 + i), step(exact, 3, 100 + i), rtol=1e-5,
-                                   atol=1e-5)
-    for a, b in zip(fast.layers[0].rows, exact.layers[0].rows, strict=True):
-        assert a.lengths == b.lengths and a.lengths
-        pairs = zip(tagged_tensors(a.blocks, ""), tagged_tensors(b.blocks, ""), strict=True)
-        assert all(torch.equal(x, y) for (_, x), (_, y) in pairs)
+    compare_batched(name, "cpu", steps=30)
 
 
 class Calls(TorchDispatchMode):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAST, compare_rows, make
+from helpers import FAST, compare_batched, compare_rows, make
 
 from kvmix.runtime.kernels import gpu, interpreting, resolve
 
@@ -32,6 +32,13 @@ def test_the_kernels_match_the_reference_through_a_generation(name):
     cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
     check(cache, 2, seed=41, batch=2)
     assert len(cache.layers[0].rows[0].lengths) >= 2
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "chanmix", "wush", "full"])
+def test_one_batched_pass_matches_the_reference_on_a_ragged_batch(name):
+    """Per-channel planes (1, 2 and 4 of them), per-token keys and float pages through the
+    batched kernels, a program per sequence, KV head and split of its pages."""
+    compare_batched(name, "triton", steps=12, device=DEVICE)
 
 
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush"])

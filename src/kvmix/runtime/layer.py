@@ -13,7 +13,8 @@ history and commits the new tokens (the flush happens there, with the post-RoPE 
 prefill-time channel selection needs). Two paths:
 
 * a **decode step** (one new token per sequence, every sequence prefilled): the tokens go into
-  their slots, one fused call attends the whole batch (``backend="cpu"``; other backends loop
+  their slots, one fused call attends the whole batch (the CPU op, or the Triton kernels: one
+  pass over the pages plus one batched partial of the float slots; the reference path loops
   over sequences), rows whose residual filled are sealed in one ``encode`` call. No host sync:
   token counts are the host's own, and the new tokens are validated into a device flag that is
   read at the next prompt or chunk, by ``KVMixCache.check()``, or at every step with
@@ -169,16 +170,18 @@ class KVMixLayer(CacheLayerMixin):
     def _commit(self, new: list[tuple[torch.Tensor, ...]]) -> None:
         with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
             self.store.append(new)
-        if self.backend == "cpu":
-            cpu.prepare(self.store)  # the per-sequence views, once per prompt, not per step
+        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        if fused:
+            fused.prepare(self.store)  # the per-sequence views, once per prompt, not per step
 
     def _step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scaling: float) -> torch.Tensor:
         """A decode step: one new token per sequence -> [B, Hq, 1, D]."""
         store = self.store
-        if self.backend == "cpu" and cpu.batched(store):
+        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        if fused and fused.batched(store):
             store.write(keys, values)
-            out = cpu.attend_batch(store, query, scaling)  # one op call for the batch
+            out = fused.attend_batch(store, query, scaling)  # one call for the whole batch
         else:
             out = torch.cat([self._attend_row(store.row(b), query[b : b + 1], keys[b : b + 1],
                                               values[b : b + 1], scaling)

@@ -63,6 +63,12 @@ def table(store: BatchStore) -> Table:
     return cached[1]
 
 
+def spans(store: BatchStore) -> torch.Tensor:
+    """Per sequence (sink start, sink length, residual start, residual length) in the float
+    slots: [B, 4] int64 on the store's device."""
+    return _tensor(store.float_spans(), store.keys.device)
+
+
 def _pool_view(store: BatchStore) -> PoolView | None:
     if store.pool.pages is None:
         return PoolView(None, [], [], None)

@@ -101,10 +101,10 @@ def prepare(store: BatchStore) -> None:
 def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds -> [B, Hq, 1, D]."""
-    spans = torch.tensor(store.float_spans(), dtype=torch.long)  # [B, 4]
     table = batch.table(store)
     out = torch.ops.kvmix.decode_batch(_float32(query[:, :, 0]), scaling, store.keys,
-                                       store.values, spans, store.method.group, table.pages,
+                                       store.values, batch.spans(store), store.method.group,
+                                       table.pages,
                                        table.held, table.counts,
                                        *_pool_arguments(batch.pool_view(store)))
     return out.unsqueeze(2).to(query.dtype)

@@ -28,7 +28,8 @@ import torch
 
 from kvmix.core.packing import row_bytes
 from kvmix.methods import ChannelKeys, KernelView, TokenGroups
-from kvmix.runtime.store import RowView
+from kvmix.runtime.kernels import batch
+from kvmix.runtime.store import BatchStore, RowView
 
 try:
     import triton
@@ -41,7 +42,8 @@ else:
 
 MAX_QUERIES = 16
 KERNEL_BITS = (1, 2, 3, 4, 8)
-PROGRAMS = 128  # splits × KV heads to aim for, so batch 1 fills the device
+PROGRAMS = 128  # splits × KV heads (× sequences) to aim for, so batch 1 fills the device
+MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
 
 
 def available() -> tuple[bool, str]:
@@ -79,6 +81,101 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
                                             precision))
     out = _merged(partials)  # [H, R, D]
     return out.reshape(heads * rep, queries, dim)[None].to(query.dtype)
+
+
+def batched(store: BatchStore) -> bool:
+    """Whether ``attend_batch`` reads this store (a pool view the kernels tile)."""
+    pool = batch.pool_view(store)
+    if pool is None or pool.view is None:
+        return pool is not None
+    check_view(pool.view, store.keys.shape[-1])
+    planes = pool.view.keys.planes if isinstance(pool.view.keys, ChannelKeys) else []
+    return len(planes) <= MAX_PLANES
+
+
+def prepare(store: BatchStore) -> None:
+    """Build the per-sequence views at the prompt, so that decode steps do not."""
+    batch.pool_view(store)
+
+
+def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A decode step of the whole batch: query [B, Hq, 1, D] of each sequence's new token,
+    already in its slot -> [B, Hq, 1, D]. The pages in one pass (a program per sequence, KV
+    head and split of its pages: scores, online softmax and p·V straight from the codes, no
+    score buffer), the float slots as one batched partial, merged by log-sum-exp."""
+    rows, heads, dim = query.shape[0], store.keys.shape[1], query.shape[-1]
+    grouped = (query[:, :, 0].float() * scaling).reshape(rows, heads, -1, dim).contiguous()
+    partials = [_slot_partial(store, grouped)]
+    if any(store.pages):
+        precision = "ieee" if query.dtype == torch.float32 else "tf32"
+        partials.insert(0, _page_partials(store, batch.pool_view(store), grouped, precision))
+    out = _merged_rows(partials)  # [B·H·R, D]
+    return out.reshape(rows, query.shape[1], 1, dim).to(query.dtype)
+
+
+def _slot_partial(store: BatchStore, grouped: torch.Tensor):
+    """Sink and residual slots of every sequence: (acc [1, B, H, R, D], max, sum [1, B, H, R])."""
+    spans = batch.spans(store)  # [B, 4] on the device
+    slots = store.keys.shape[2]
+    position = torch.arange(slots, device=grouped.device)
+    valid = (position < spans[:, 1:2]) | ((position >= spans[:, 2:3])
+                                          & (position < spans[:, 2:3] + spans[:, 3:4]))
+    scores = grouped @ store.keys.float().transpose(-1, -2)  # [B, H, R, T]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    top = scores.amax(-1)
+    weights = torch.exp(scores - top[..., None])
+    return (weights @ store.values.float())[None], top[None], weights.sum(-1)[None]
+
+
+def _page_partials(store: BatchStore, pool: batch.PoolView, grouped: torch.Tensor,
+                   precision: str):
+    """Every sequence's pages through ``_decode_pages``: (acc [S, B, H, R, D], max, sum)."""
+    rows, heads, reps, dim = grouped.shape
+    table = batch.table(store)
+    most = max(len(p) for p in store.pages)
+    splits = max(1, min(most, -(-PROGRAMS // (rows * heads))))
+    per_split = -(-most // splits)
+    splits = -(-most // per_split)
+    acc = torch.empty(splits, rows, heads, reps, dim, device=grouped.device)
+    top = torch.empty(splits, rows, heads, reps, device=grouped.device)
+    total = torch.empty_like(top)
+    view, group = pool.view, store.method.group
+    common = (*_source(view.values, dim), acc, top, total, heads, reps, dim, per_split)
+    sizes = {"G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
+             "BLOCK_D": _pow2(dim), "PRECISION": precision}
+    grid = (rows * heads, splits)
+    table_args = (grouped, table.pages, table.held, table.counts, table.width)
+    if isinstance(view.keys, ChannelKeys):
+        _channel_pages[grid](*table_args, *_plane_arguments(view.keys, pool, group), *common,
+                             NPLANES=len(view.keys.planes), **sizes)
+    else:
+        _token_pages[grid](*table_args, *_source(view.keys, dim), *common, **sizes)
+    return acc, top, total
+
+
+def _plane_arguments(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tuple:
+    """Per-channel keys for ``_decode_pages``: scale, minimum, each sequence's offsets, then
+    MAX_PLANES planes (codes, channels, multipliers, sizes; unused ones repeat the first)."""
+    planes = []
+    for i in range(MAX_PLANES):
+        plane, index, mult = (keys.planes[i], pool.index[i], pool.mult[i]) if i < len(
+            keys.planes) else (keys.planes[0], pool.index[0], pool.mult[0])
+        planes += [plane.codes, index.contiguous(), mult.contiguous(), index.shape[-1],
+                   plane.codes.stride(0), row_bytes(group, plane.bits),
+                   _subplane(group, plane.bits), plane.bits, _pow2(index.shape[-1])]
+    return (keys.scale.contiguous(), keys.minimum.contiguous(), pool.offset, *planes)
+
+
+def _merged_rows(partials) -> torch.Tensor:
+    """Partials (acc [S, ..., D], max [S, ...], sum) -> [N, D], N the rows they share."""
+    acc = torch.cat([a.reshape(a.shape[0], -1, a.shape[-1]) for a, _, _ in partials])
+    top = torch.cat([m.reshape(m.shape[0], -1) for _, m, _ in partials])
+    total = torch.cat([s.reshape(s.shape[0], -1) for _, _, s in partials])
+    splits, rows, dim = acc.shape
+    out = torch.empty(rows, dim, device=acc.device)
+    _merge[(rows,)](acc.contiguous(), top.contiguous(), total.contiguous(), out, splits, rows,
+                    dim, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(dim))
+    return out
 
 
 def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
@@ -310,6 +407,167 @@ if triton is not None:
         tl.store(total + where, mass, mask=has_r)
         tl.store(acc + where[:, None] * dim + d[None, :], out,
                  mask=has_r[:, None] & (d[None, :] < dim))
+
+    @triton.jit
+    def _plane_part(query, rows, dim, scale, codes, index, mult, channels, block_bytes, width,
+                    low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr, seq, head, heads,
+                    page, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                    PRECISION: tl.constexpr):
+        """One plane's share of a page's scores: Σ_c q[r, idx_c]·scale[idx_c]·mult_c·code_c[t]
+        -> [BLOCK_R, BLOCK_G] (query: this program's rows; scale: the page's, this head)."""
+        c = tl.arange(0, BLOCK_C)
+        r = tl.arange(0, BLOCK_R)
+        t = tl.arange(0, BLOCK_G)
+        has_c = c < channels
+        at = (seq * heads + head) * channels + c
+        channel = tl.load(index + at, mask=has_c, other=0)
+        weight = tl.load(mult + at, mask=has_c, other=0.0)
+        weight *= tl.load(scale + channel, mask=has_c, other=0).to(tl.float32)
+        q = tl.load(query + r[:, None] * dim + channel[None, :],
+                    mask=(r[:, None] < rows) & has_c[None, :], other=0.0)  # [R, C]
+        x = _codes(codes + page * block_bytes + (head * channels + c[:, None]) * width,
+                   t[None, :], has_c[:, None] & (t[None, :] < G), width, low_width,
+                   BITS)  # [C, G]
+        return tl.dot(q * weight[None, :], x, input_precision=PRECISION)
+
+    @triton.jit
+    def _channel_scores(query, rows, dim, key_scale, key_min, offset,
+                        c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
+                        c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
+                        c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
+                        c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
+                        NPLANES: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PRECISION: tl.constexpr):
+        """A page's scores from per-channel keys: the bias Σ_c q_c·(min_c + scale_c·offset_c),
+        then each plane -> [BLOCK_R, BLOCK_G]."""
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        has_d = d < dim
+        stats = (page * heads + head) * dim
+        scale = tl.load(key_scale + stats + d, mask=has_d, other=0).to(tl.float32)
+        shift = tl.load(key_min + stats + d, mask=has_d, other=0).to(tl.float32)
+        shift += scale * tl.load(offset + (seq * heads + head) * dim + d, mask=has_d, other=0.0)
+        q = tl.load(query + r[:, None] * dim + d[None, :],
+                    mask=(r[:, None] < rows) & has_d[None, :], other=0.0)  # [R, D]
+        scores = tl.zeros([BLOCK_R, BLOCK_G], tl.float32) + tl.sum(q * shift[None, :],
+                                                                    axis=1)[:, None]
+        scores += _plane_part(query, rows, dim, key_scale + stats, c0, i0, m0, n0, b0, w0, l0,
+                              BITS0, C0, seq, head, heads, page, G, BLOCK_R, BLOCK_G, PRECISION)
+        if NPLANES > 1:
+            scores += _plane_part(query, rows, dim, key_scale + stats, c1, i1, m1, n1, b1, w1,
+                                  l1, BITS1, C1, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  PRECISION)
+        if NPLANES > 2:
+            scores += _plane_part(query, rows, dim, key_scale + stats, c2, i2, m2, n2, b2, w2,
+                                  l2, BITS2, C2, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  PRECISION)
+        if NPLANES > 3:
+            scores += _plane_part(query, rows, dim, key_scale + stats, c3, i3, m3, n3, b3, w3,
+                                  l3, BITS3, C3, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  PRECISION)
+        return scores
+
+    @triton.jit
+    def _absorb(scores, length, running, mass, out, codes, scale, minimum, block_bytes, width,
+                low_width, GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+                page, head, heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+        """One page into the online softmax: its scores [R, G] (masked past ``length`` held
+        tokens) and p·V from its value codes -> the running (max, sum, acc)."""
+        r = tl.arange(0, BLOCK_R)
+        t = tl.arange(0, BLOCK_G)
+        seen = (r[:, None] < rows) & (t[None, :] < length)
+        scores = tl.where(seen, scores, float("-inf"))
+        peak = tl.maximum(running, tl.max(scores, axis=1))
+        safe = tl.where(peak == float("-inf"), 0.0, peak)
+        p = tl.exp(scores - safe[:, None])
+        decay = tl.exp(running - safe)
+        v = _token_tile(codes, scale, minimum, page, head, heads, dim, block_bytes, width,
+                        low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+        out = out * decay[:, None] + tl.dot(p, v, input_precision=PRECISION)
+        return peak, mass * decay + tl.sum(p, axis=1), out
+
+    @triton.jit
+    def _keep(acc, top, total, running, mass, out, split, program, programs, rows, dim,
+              BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A program's partial: acc [S, B·H, R, D], max and sum [S, B·H, R]."""
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        where = (split * programs + program) * rows + r
+        tl.store(top + where, running, mask=r < rows)
+        tl.store(total + where, mass, mask=r < rows)
+        tl.store(acc + where[:, None] * dim + d[None, :], out,
+                 mask=(r[:, None] < rows) & (d[None, :] < dim))
+
+    @triton.jit
+    def _channel_pages(query, pages, held, counts, width, key_scale, key_min, offset,
+                       c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
+                       c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
+                       c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
+                       c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
+                       values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
+                       V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, acc, top, total,
+                       heads, rows, dim, per_split, NPLANES: tl.constexpr, G: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                       PRECISION: tl.constexpr):
+        """A program per (sequence, KV head) and split of the sequence's pages, read through
+        the block table: per-channel key scores, online softmax, p·V, in one pass."""
+        program, split = tl.program_id(0), tl.program_id(1)
+        seq, head = program // heads, program % heads
+        q = query + program * rows * dim  # this program's query rows [R, D]
+        running = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        mass = tl.zeros([BLOCK_R], tl.float32)
+        out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        first = split * per_split
+        for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
+            page = tl.load(pages + seq * width + n)
+            scores = _channel_scores(q, rows, dim, key_scale, key_min, offset,
+                                     c0, i0, m0, n0, b0, w0, l0, BITS0, C0,
+                                     c1, i1, m1, n1, b1, w1, l1, BITS1, C1,
+                                     c2, i2, m2, n2, b2, w2, l2, BITS2, C2,
+                                     c3, i3, m3, n3, b3, w3, l3, BITS3, C3,
+                                     NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                     BLOCK_D, PRECISION)
+            running, mass, out = _absorb(scores, tl.load(held + seq * width + n), running,
+                                         mass, out, values, v_scale, v_min, v_bytes, v_width,
+                                         v_low, V_GROUP, V_BITS, V_SYMMETRIC, page, head,
+                                         heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
+                                         PRECISION)
+        _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
+              dim, BLOCK_R, BLOCK_D)
+
+    @triton.jit
+    def _token_pages(query, pages, held, counts, width, keys, k_scale, k_min, k_bytes, k_width,
+                     k_low, K_GROUP: tl.constexpr, K_BITS: tl.constexpr,
+                     K_SYMMETRIC: tl.constexpr, values, v_scale, v_min, v_bytes, v_width,
+                     v_low, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+                     V_SYMMETRIC: tl.constexpr, acc, top, total, heads, rows, dim, per_split,
+                     G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+        """As ``_channel_pages`` for per-token key groups (WUSH, rotations) and float pages."""
+        program, split = tl.program_id(0), tl.program_id(1)
+        seq, head = program // heads, program % heads
+        r = tl.arange(0, BLOCK_R)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(query + (program * rows + r[:, None]) * dim + d[None, :],
+                    mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)  # [R, D]
+        running = tl.full([BLOCK_R], float("-inf"), tl.float32)
+        mass = tl.zeros([BLOCK_R], tl.float32)
+        out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        first = split * per_split
+        for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
+            page = tl.load(pages + seq * width + n)
+            k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
+                            k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
+            running, mass, out = _absorb(scores, tl.load(held + seq * width + n), running,
+                                         mass, out, values, v_scale, v_min, v_bytes, v_width,
+                                         v_low, V_GROUP, V_BITS, V_SYMMETRIC, page, head,
+                                         heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
+                                         PRECISION)
+        _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
+              dim, BLOCK_R, BLOCK_D)
 
     @triton.jit
     def _merge(acc, top, total, out, splits, rows, dim, BLOCK_S: tl.constexpr,
