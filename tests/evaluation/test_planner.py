@@ -63,10 +63,11 @@ def test_a_user_config_json_is_read_and_a_broken_one_named(tmp_path):
 @pytest.mark.parametrize("batch, tokens", [(1, 40), (2, 97), (3, 200)])
 def test_planned_bytes_are_what_a_real_cache_holds(name, batch, tokens):
     """The tiny Llama through kvmix: the planner, from its config alone, says what the cache
-    holds (within 1%: the planner does not know the weight norms a real cache keeps)."""
+    holds, its pool sized up front (within 1%: the planner does not know the weight norms a
+    real cache keeps)."""
     model = tiny_llama()
     method = method_string(name)
-    cache = kvmix.make_cache(model, method)
+    cache = kvmix.make_cache(model, method, max_batch=batch, max_tokens=tokens)
     ids = torch.randint(1, 97, (batch, tokens), generator=torch.Generator().manual_seed(tokens))
     with torch.no_grad():
         model(ids, cache=cache, use_cache=True)

@@ -105,14 +105,19 @@ class Planned:
 
 def kv_bytes(method: Method, arch: Architecture, batch: int, context: int,
              dtype: torch.dtype) -> dict[str, float]:
-    """The cache of ``batch`` sequences of ``context`` tokens, by segment."""
+    """The cache of ``batch`` sequences of ``context`` tokens, by segment; ``free``: the float
+    slots (sink + residual per sequence) no token fills yet, which the cache allocates."""
     spec = arch.spec()
-    parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "sliding": 0.0}
+    parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "sliding": 0.0,
+             "free": 0.0}
     held = layout(method, context)
+    unfilled = method.sink + method.residual - held.sink - held.residual
+    per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     for index, kind in enumerate(arch.layer_types):
         if kind == FULL:
             for part, size in segment_bytes(method, spec, index, held, dtype).items():
                 parts[part] += batch * size
+            parts["free"] += batch * unfilled * per_token
         else:  # transformers' own sliding layer: the window, unquantized
             window = min(context, arch.sliding_window or context)
             parts["sliding"] += batch * window * 2 * spec.n_kv_heads * spec.head_dim \
