@@ -336,3 +336,40 @@ def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
     assert rows["ggml:k=q4_0,v=q4_0"]["flags"] == "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on"
     saved = json.loads((tmp_path / "rec" / "results.json").read_text())
     assert saved["choice"] == result["choice"] and saved["config"]["max_kl"] == 0.05
+
+
+def test_throughput_fits_more_sequences_in_the_same_memory(real_model, tmp_path, monkeypatch):
+    """``bench --throughput`` with a clock that moves 1 per decode step whatever the batch: a
+    cache's tokens/s is its batch, so equal-memory ratios are ratios of largest batches."""
+    from kvmix.commands.bench import BenchConfig, run_bench
+    from kvmix.evaluation import throughput
+
+    clock = [0.0]
+
+    def tick(module, args, kwargs) -> None:
+        ids = args[0] if args else kwargs["input_ids"]
+        clock[0] += 1.0 if ids.shape[1] == 1 else 1000.0
+
+    hook = real_model.model.register_forward_pre_hook(tick, with_kwargs=True)
+    monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock[0])
+    try:
+        rows = run_bench(BenchConfig(methods=["kivi2:residual=32"], prompt=[64], tokens=32,
+                                     throughput=True, memory="10MB", batch=[1, 2],
+                                     baselines=["dynamic"], new_tokens=2, warmup=1, rounds=1,
+                                     backend=["cpu"], out=str(tmp_path)), loaded=real_model)
+    finally:
+        hook.remove()
+    by = {(r["method"], r["group"], r["batch"]): r for r in rows}
+    dynamic, kivi = (next(r for r in rows if r["method"] == m and r["group"] == "budget")
+                     for m in ("dynamic", "kivi2:residual=32"))
+    assert dynamic["max_batch"] == 10**7 // dynamic["per_sequence_bytes"] >= 1
+    assert kivi["max_batch"] == 10**7 // kivi["per_sequence_bytes"] > 2 * dynamic["max_batch"]
+    assert kivi["planned_bytes"] == pytest.approx(kivi["per_sequence_bytes"], rel=0.01)
+    for row in (dynamic, kivi):  # the run at the largest batch holds what was planned
+        assert row["batch"] == row["max_batch"] and row["cache_bytes"] <= 10**7
+        assert row["tokens_per_s"] == row["batch"]
+    assert kivi["vs_dynamic"] == kivi["max_batch"] / dynamic["max_batch"]
+    assert by[("kivi2:residual=32", "batch", 2)]["vs_dynamic"] == 1.0
+    assert (tmp_path / "throughput.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["config"]["memory"] == "10MB" and len(saved["rows"]) == 6

@@ -16,6 +16,10 @@ what the cache itself reports (for transformers' caches, the storages reachable 
 ``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches of
 ``--context`` tokens for ``--batch`` sequences, beside float SDPA and the float variant of the
 same kernels (``kvmix.evaluation.opbench``); no model is loaded.
+
+``--throughput`` measures many sequences at once (``kvmix.evaluation.throughput``): aggregate
+decode tokens/s at each ``--batch``, and at each cache's largest batch within ``--memory`` at
+``--prompt`` + ``--tokens`` tokens per sequence (equal memory), beside DynamicCache.
 Timings are wall-clock on this machine; they belong here, never in pass/fail tests.
 """
 
@@ -35,8 +39,10 @@ from rich.progress import Progress
 
 from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.core.memory import reachable_bytes
-from kvmix.evaluation import opbench
+from kvmix.evaluation import opbench, throughput
+from kvmix.evaluation.data import load_text
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
+from kvmix.evaluation.planner import parse_memory
 from kvmix.evaluation.plots import scatter_lines
 from kvmix.evaluation.report import console, print_table, write_results
 from kvmix.evaluation.resources import PeakMemory, heap_bytes
@@ -51,6 +57,11 @@ COLUMNS = {"method": "method", "backend": "backend", "prompt": "prompt",
            "prefill_s": "prefill s", "select_s": "select s", "tokens_per_s": "tokens/s",
            "vs_dynamic": "vs dynamic", "ms_per_token": "ms/token", "nbytes": "cache bytes",
            "peak_bytes": "peak Δ", "steady_bytes": "steady Δ"}
+THROUGHPUT_COLUMNS = {"method": "method", "backend": "backend", "group": "group",
+                      "batch": "batch", "tokens_per_s": "tokens/s", "vs_dynamic": "vs dynamic",
+                      "max_batch": "max batch", "per_sequence_bytes": "bytes/seq",
+                      "cache_bytes": "cache bytes", "peak_bytes": "peak Δ",
+                      "prefill_s": "prefill s"}
 OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "batch": "batch",
               "us_per_step": "µs/layer-step", "gb_per_s": "GB/s", "vs_sdpa": "vs SDPA",
               "vs_float_kernel": "vs float kernel", "nbytes": "cache bytes",
@@ -69,6 +80,9 @@ class BenchConfig(JobConfig):
     shape: str | None = None
     context: list[int] = field(default_factory=lambda: [16384])
     batch: list[int] = field(default_factory=lambda: [1])
+    throughput: bool = False
+    memory: str = "2GB"
+    tokens: int = 256
 
 
 def add_parser(commands) -> None:
@@ -89,7 +103,16 @@ def add_parser(commands) -> None:
                         help="HEADS,KV_HEADS,HEAD_DIM: time the attention op alone on synthetic "
                              "caches of this shape (e.g. 32,8,128), no model")
     parser.add_argument("--context", default="16384", help="--shape: tokens per sequence")
-    parser.add_argument("--batch", default="1", help="--shape: sequences, e.g. 1,8")
+    parser.add_argument("--batch", default="1",
+                        help="--shape, --throughput: sequences, e.g. 1,4,16")
+    parser.add_argument("--throughput", action="store_true",
+                        help="aggregate decode tokens/s of many sequences, at each --batch and "
+                             "at each cache's largest batch within --memory")
+    parser.add_argument("--memory", default=BenchConfig.memory,
+                        help="--throughput: the cache budget, e.g. 2GB or 512MiB")
+    parser.add_argument("--tokens", type=int, default=BenchConfig.tokens,
+                        help="--throughput: generated tokens per sequence the budget must hold "
+                             "after --prompt")
     parser.set_defaults(run=lambda args: run_bench(config_from(BenchConfig, args)))
 
 
@@ -97,6 +120,8 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
     _check(config)
     if config.shape:
         return _run_shape(config)
+    if config.throughput:
+        return _run_throughput(config, loaded)
     loaded, ids = load_inputs(config, max(config.prompt), loaded)
     backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
     builds = [(b, "-", partial(_baseline, b)) for b in config.baselines]
@@ -147,6 +172,45 @@ def _run_shape(config: BenchConfig) -> list[dict]:
     return rows
 
 
+def _run_throughput(config: BenchConfig, loaded: LoadedModel | None) -> list[dict]:
+    prompt, total = config.prompt[0], config.prompt[0] + config.tokens
+    loaded, _ = load_inputs(config, total, loaded)
+    ids = loaded.tokenizer(load_text(config.data), return_tensors="pt",
+                           add_special_tokens=False).input_ids  # [1, N]: every window's source
+    backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
+    caches = [throughput.baseline_cache(b) for b in config.baselines]
+    caches += [throughput.kvmix_cache(m, b) for m in config.methods for b in backends]
+    memory = parse_memory(config.memory)
+    throughput.measure_sizes(loaded.model, caches, ids[:, :total], total, memory)
+    groups = [("batch", {c.name + c.backend: b for c in caches}) for b in config.batch]
+    groups.append(("budget", {c.name + c.backend: c.max_batch for c in caches}))
+    steps = -(-config.new_tokens // config.rounds)
+    rows = []
+    with Progress(console=console, transient=True) as bar:
+        for group, batches in groups:
+            task = bar.add_task(group, total=len(caches) * (1 + config.rounds))
+            runs = []
+            for cache in caches:
+                batch = batches[cache.name + cache.backend]
+                if batch > 0:
+                    runs.append(throughput.start(loaded.model, cache, group, batch,
+                                                 throughput.windows(ids, batch, prompt), total,
+                                                 config.warmup))
+                bar.advance(task)
+            for _ in range(config.rounds):  # interleaved: drift of the machine hits all alike
+                for run in runs:
+                    throughput.timed(run, steps)
+                    bar.advance(task, len(caches) / max(len(runs), 1))
+            rows += throughput.rows(runs, prompt)
+            del runs
+    plots = [str(_throughput_plot(config, rows))] if config.out else []
+    finish("bench", config, loaded, rows, f"throughput · {config.memory} for {prompt} + "
+           f"{config.tokens} tokens · {config.rounds} rounds of {steps} steps · "
+           f"{torch.get_num_threads()} threads", THROUGHPUT_COLUMNS,
+           device=str(loaded.model.device), threads=torch.get_num_threads(), plots=plots)
+    return rows
+
+
 def _check(config: BenchConfig) -> None:
     """Bad input fails before the model loads."""
     for name, least in (("new_tokens", 1), ("warmup", 0), ("rounds", 1)):
@@ -157,6 +221,11 @@ def _check(config: BenchConfig) -> None:
             raise ValueError(f"{name}={getattr(config, name)} is invalid; expected values >= 1")
     if config.shape:
         opbench.Shape.parse(config.shape)
+    if config.throughput:
+        parse_memory(config.memory)
+        if config.tokens < 0 or len(config.prompt) != 1:
+            raise ValueError(f"--throughput takes one prompt length and tokens >= 0; got "
+                             f"prompt={config.prompt}, tokens={config.tokens}")
     unknown = sorted(set(config.baselines) - set(BASELINES))
     if unknown:
         raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}")
@@ -289,6 +358,21 @@ def _plot(config: BenchConfig, rows: list[dict]) -> Path:
         series.setdefault(label, []).append((row["prompt"], row["ms_per_token"]))
     return scatter_lines(Path(config.out) / "decode.png", series, "prompt tokens",
                          "ms per decode step", "decode latency vs context")
+
+
+def _throughput_plot(config: BenchConfig, rows: list[dict]) -> Path:
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    series: dict[str, list[tuple[float, float]]] = {}
+    marks: dict[str, tuple[float, float]] = {}
+    for row in rows:
+        label = row["method"] if row["backend"] == "-" else f"{row['method']} ({row['backend']})"
+        series.setdefault(label, []).append((row["batch"], row["tokens_per_s"]))
+        if row["group"] == "budget":
+            marks[label] = (row["batch"], row["tokens_per_s"])
+    return scatter_lines(Path(config.out) / "throughput.png", series, "batch (sequences)",
+                         "aggregate decode tokens/s",
+                         f"throughput vs batch (★: largest batch within {config.memory})",
+                         marks=marks)
 
 
 def _sync(device: torch.device) -> None:

@@ -25,12 +25,16 @@ def line_plot(path: str | Path, series: dict[str, list[float]], xlabel: str, yla
 
 
 def scatter_lines(path: str | Path, series: dict[str, list[tuple[float, float]]], xlabel: str,
-                  ylabel: str, title: str, log: bool = False) -> Path:
-    """One line of (x, y) points per series, sorted by x (e.g. a bit-rate Pareto curve)."""
+                  ylabel: str, title: str, log: bool = False,
+                  marks: dict[str, tuple[float, float]] | None = None) -> Path:
+    """One line of (x, y) points per series, sorted by x (e.g. a bit-rate Pareto curve); a
+    star at a series' point in ``marks``."""
     figure, axes = plt.subplots(figsize=(7, 4.5))
     for name, points in series.items():
         xs, ys = zip(*sorted(points), strict=True)
-        axes.plot(xs, ys, marker="o", label=name)
+        line = axes.plot(xs, ys, marker="o", label=name)[0]
+        if marks and name in marks:
+            axes.plot(*marks[name], marker="*", markersize=16, color=line.get_color())
     axes.set(xlabel=xlabel, ylabel=ylabel, title=title)
     if log:
         axes.set_yscale("log")

@@ -1,0 +1,177 @@
+"""Aggregate decode throughput of many sequences at once (``kvmix bench --throughput``): the
+seeds' efficiency claim — more sequences fit a fixed memory, so more tokens per second.
+
+For every cache (transformers' ``DynamicCache`` and ``QuantizedCache``, kvmix methods):
+
+1. **bytes per sequence** at ``prompt + tokens`` tokens, measured: one sequence of that length
+   prefilled (teacher-forced) into a fresh cache, then the cache's bytes (kvmix's ``nbytes()``
+   with its pool sized up front; the storages reachable from transformers' caches). kvmix rows
+   also carry the planner's figure for the same length (``planned_bytes``);
+2. **the largest batch** whose caches fit ``memory`` at that length: the budget over the bytes
+   per sequence; the run at that batch confirms it (``cache_bytes`` measured after its steps,
+   kvmix's pool sized for ``prompt + tokens`` per sequence so a batch that did not fit would
+   be refused);
+3. **aggregate greedy decode tokens/s** at each fixed ``batch`` (every cache, rounds
+   interleaved) and at each cache's own largest batch (the caches interleaved again), each
+   sequence its own window of the text. ``vs_dynamic``: over DynamicCache at the same batch;
+   at the budget, over DynamicCache at *its* largest batch — equal memory.
+
+Timings are wall-clock measurements of this machine, never test verdicts.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvmix.core.memory import reachable_bytes
+from kvmix.evaluation.planner import kv_bytes
+from kvmix.evaluation.resources import PeakMemory, heap_bytes
+from kvmix.methods import parse_method
+from kvmix.models.catalog import from_config
+from kvmix.runtime.attention import make_cache
+from kvmix.runtime.baselines import transformers_cache
+from kvmix.runtime.folding import prepare_model
+
+
+@dataclass
+class Cache:
+    """One cache under test: ``make(model, batch, tokens)`` -> (the model to run, a cache)."""
+
+    name: str
+    backend: str
+    make: Callable[[Any, int, int], tuple[Any, Any]]
+    per_sequence: int = 0
+    planned: float | None = None
+    max_batch: int = 0
+
+
+@dataclass
+class Run:
+    """One cache at one batch, alive across the timing rounds."""
+
+    cache: Cache
+    group: str  # "batch" (a fixed batch) or "budget" (the cache's largest batch)
+    batch: int
+    model: Any
+    state: Any
+    token: torch.Tensor  # [B, 1]
+    prefill_s: float
+    base_bytes: int
+    seconds: list[float] = field(default_factory=list)
+    peak: int = 0
+
+
+def kvmix_cache(method: str, backend: str) -> Cache:
+    def make(model, batch: int, tokens: int):
+        runner = prepare_model(model, method)
+        return runner, make_cache(runner, method, backend, max_batch=batch, max_tokens=tokens)
+    return Cache(method, backend, make)
+
+
+def baseline_cache(name: str) -> Cache:
+    def make(model, batch: int, tokens: int):
+        make_cache(model, "full")  # kvmix's attention function: plain SDPA for other caches
+        return model, transformers_cache(name, model)
+    return Cache(name, "-", make)
+
+
+def cache_bytes(state: Any) -> int:
+    return state.nbytes() if hasattr(state, "nbytes") else reachable_bytes(state)
+
+
+@torch.no_grad()
+def measure_sizes(model, caches: list[Cache], windows: torch.Tensor, tokens: int,
+                  memory: float) -> None:
+    """Bytes per sequence at ``tokens`` tokens (one prefill each) and the largest batch."""
+    arch = from_config(model.config.to_dict(), "model")
+    for cache in caches:
+        runner, state = cache.make(model, 1, tokens)
+        runner(windows[:1, :tokens].to(runner.device), cache=state, use_cache=True,
+               logits_to_keep=1)
+        cache.per_sequence = cache_bytes(state)
+        if cache.backend != "-":
+            method = state.method
+            cache.planned = sum(kv_bytes(method, arch, 1, tokens, state.packed_layers[0].dtype)
+                                .values())
+        cache.max_batch = int(memory // cache.per_sequence)
+        del runner, state
+        gc.collect()
+
+
+def windows(ids: torch.Tensor, rows: int, prompt: int) -> torch.Tensor:
+    """``rows`` windows of ``prompt`` tokens from ids [1, N]: distinct where the text allows,
+    then wrapping around -> [rows, prompt]."""
+    room = ids.shape[1] - prompt
+    starts = [(row * prompt) % max(room, 1) for row in range(rows)]
+    return torch.stack([ids[0, s : s + prompt] for s in starts])
+
+
+@torch.no_grad()
+def start(model, cache: Cache, group: str, batch: int, prompts: torch.Tensor, tokens: int,
+          warmup: int) -> Run:
+    """Make the cache, prefill ``prompts`` [batch, prompt] (timed), warm up."""
+    gc.collect()
+    base = heap_bytes()
+    runner, state = cache.make(model, batch, tokens)
+    began = time.perf_counter()
+    logits = runner(prompts.to(runner.device), cache=state, use_cache=True,
+                    logits_to_keep=1).logits
+    _sync(runner.device)
+    prefill = time.perf_counter() - began
+    token = logits[:, -1:].argmax(-1)  # [B, 1]
+    for _ in range(warmup):
+        token = _step(runner, state, token)
+    return Run(cache, group, batch, runner, state, token, prefill, base)
+
+
+@torch.no_grad()
+def timed(run: Run, steps: int) -> None:
+    """``steps`` greedy decode steps of the whole batch: seconds per step; the heap's peak."""
+    _sync(run.model.device)
+    with PeakMemory() as memory:
+        began = time.perf_counter()
+        for _ in range(steps):
+            run.token = _step(run.model, run.state, run.token)
+        _sync(run.model.device)
+        run.seconds.append((time.perf_counter() - began) / steps)
+    run.peak = max(run.peak, memory.peak - run.base_bytes)
+
+
+def rows(runs: list[Run], prompt: int) -> list[dict]:
+    """One row per run, with tokens/s against DynamicCache's in the same group."""
+    out = []
+    for run in runs:
+        rate = run.batch / statistics.median(run.seconds)
+        out.append({"method": run.cache.name, "backend": run.cache.backend, "group": run.group,
+                    "batch": run.batch, "prompt": prompt, "tokens_per_s": rate,
+                    "max_batch": run.cache.max_batch, "per_sequence_bytes":
+                    run.cache.per_sequence, "planned_bytes": run.cache.planned,
+                    "cache_bytes": cache_bytes(run.state), "peak_bytes": run.peak,
+                    "prefill_s": run.prefill_s})
+    for row in out:
+        dynamic = [r for r in out if r["method"] == "dynamic" and r["group"] == row["group"]
+                   and (row["group"] == "budget" or r["batch"] == row["batch"])]
+        row["vs_dynamic"] = row["tokens_per_s"] / dynamic[0]["tokens_per_s"] if dynamic else None
+    return out
+
+
+def check_methods(methods: list[str]) -> None:
+    for method in methods:
+        parse_method(method)
+
+
+def _step(model, state, token: torch.Tensor) -> torch.Tensor:
+    """One greedy decode step of every sequence: token [B, 1] -> the next [B, 1]."""
+    return model(token, cache=state, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
