@@ -313,19 +313,21 @@ if triton is not None:
         t = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (t < G) & (d < dim)
-        if BITS == 16:
+        if BITS == 16:  # one return per branch: early returns do not compile inside loops
             at = ((block * heads + head) * G + t) * dim + d
-            return tl.load(codes + at, mask=mask, other=0).to(tl.float32)
-        groups = dim // GROUP
-        row = (head * G + t) * groups + d // GROUP  # codes [H, G, D/group, group] per block
-        x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
-                   low_width, BITS)
-        stat = block * heads * G * groups + row
-        step = tl.load(scale + stat, mask=mask, other=0).to(tl.float32)
-        if SYMMETRIC:
-            return (x - (1 << (BITS - 1)) + 0.5) * step
+            tile = tl.load(codes + at, mask=mask, other=0).to(tl.float32)
         else:
-            return tl.load(minimum + stat, mask=mask, other=0).to(tl.float32) + step * x
+            groups = dim // GROUP
+            row = (head * G + t) * groups + d // GROUP  # codes [H, G, D/group, group] per block
+            x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
+                       low_width, BITS)
+            stat = block * heads * G * groups + row
+            step = tl.load(scale + stat, mask=mask, other=0).to(tl.float32)
+            if SYMMETRIC:
+                tile = (x - (1 << (BITS - 1)) + 0.5) * step
+            else:
+                tile = tl.load(minimum + stat, mask=mask, other=0).to(tl.float32) + step * x
+        return tile
 
     @triton.jit
     def _plane_scores(query, codes, index, mult, scale, scores, heads, rows, dim, channels,
@@ -431,14 +433,14 @@ if triton is not None:
         return tl.dot(q * weight[None, :], x, input_precision=PRECISION)
 
     @triton.jit
-    def _channel_scores(query, rows, dim, key_scale, key_min, offset,
-                        c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
-                        c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
-                        c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
-                        c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
-                        NPLANES: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                        PRECISION: tl.constexpr):
+    def _page_scores(query, rows, dim, key_scale, key_min, offset,
+                     c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
+                     c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
+                     c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
+                     c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
+                     NPLANES: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PRECISION: tl.constexpr):
         """A page's scores from per-channel keys: the bias Σ_c q_c·(min_c + scale_c·offset_c),
         then each plane -> [BLOCK_R, BLOCK_G]."""
         r = tl.arange(0, BLOCK_R)
@@ -522,7 +524,7 @@ if triton is not None:
         first = split * per_split
         for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
             page = tl.load(pages + seq * width + n)
-            scores = _channel_scores(q, rows, dim, key_scale, key_min, offset,
+            scores = _page_scores(q, rows, dim, key_scale, key_min, offset,
                                      c0, i0, m0, n0, b0, w0, l0, BITS0, C0,
                                      c1, i1, m1, n1, b1, w1, l1, BITS1, C1,
                                      c2, i2, m2, n2, b2, w2, l2, BITS2, C2,
