@@ -13,7 +13,9 @@ For every cache (transformers' ``DynamicCache`` and ``QuantizedCache``, kvmix me
    be refused);
 3. **aggregate greedy decode tokens/s** at each fixed ``batch`` (every cache, rounds
    interleaved) and at each cache's own largest batch (the caches interleaved again), each
-   sequence its own window of the text. ``vs_dynamic``: over DynamicCache at the same batch;
+   sequence its own window of the text. ``peak_bytes``: the most in use while decoding above
+   what was in use before the cache was made (the CUDA allocator's on a GPU, the process heap
+   on CPU): the cache plus what a step materialises. ``vs_dynamic``: over DynamicCache at the same batch;
    at the budget, over DynamicCache at *its* largest batch — equal memory.
 
 Timings are wall-clock measurements of this machine, never test verdicts.
@@ -118,7 +120,7 @@ def start(model, cache: Cache, group: str, batch: int, prompts: torch.Tensor, to
           warmup: int) -> Run:
     """Make the cache, prefill ``prompts`` [batch, prompt] (timed), warm up."""
     gc.collect()
-    base = heap_bytes()
+    base = _allocated(model.device)
     runner, state = cache.make(model, batch, tokens)
     began = time.perf_counter()
     logits = runner(prompts.to(runner.device), cache=state, use_cache=True,
@@ -134,14 +136,18 @@ def start(model, cache: Cache, group: str, batch: int, prompts: torch.Tensor, to
 @torch.no_grad()
 def timed(run: Run, steps: int) -> None:
     """``steps`` greedy decode steps of the whole batch: seconds per step; the heap's peak."""
-    _sync(run.model.device)
+    device = run.model.device
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with PeakMemory() as memory:
         began = time.perf_counter()
         for _ in range(steps):
             run.token = _step(run.model, run.state, run.token)
-        _sync(run.model.device)
+        _sync(device)
         run.seconds.append((time.perf_counter() - began) / steps)
-    run.peak = max(run.peak, memory.peak - run.base_bytes)
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory.peak
+    run.peak = max(run.peak, peak - run.base_bytes)
 
 
 def rows(runs: list[Run], prompt: int) -> list[dict]:
@@ -170,6 +176,11 @@ def check_methods(methods: list[str]) -> None:
 def _step(model, state, token: torch.Tensor) -> torch.Tensor:
     """One greedy decode step of every sequence: token [B, 1] -> the next [B, 1]."""
     return model(token, cache=state, use_cache=True).logits[:, -1:].argmax(-1)
+
+
+def _allocated(device: torch.device) -> int:
+    """Bytes in use on ``device``: the CUDA allocator's, or the process heap's."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else heap_bytes()
 
 
 def _sync(device: torch.device) -> None:
