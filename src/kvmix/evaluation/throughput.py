@@ -15,8 +15,8 @@ For every cache (transformers' ``DynamicCache`` and ``QuantizedCache``, kvmix me
    interleaved) and at each cache's own largest batch (the caches interleaved again), each
    sequence its own window of the text. ``peak_bytes``: the most in use while decoding above
    what was in use before the cache was made (the CUDA allocator's on a GPU, the process heap
-   on CPU): the cache plus what a step materialises. ``vs_dynamic``: over DynamicCache at the same batch;
-   at the budget, over DynamicCache at *its* largest batch — equal memory.
+   on CPU): the cache plus what a step materialises. ``vs_dynamic``: over DynamicCache at the
+   same batch; at the budget, over DynamicCache at *its* largest batch — equal memory.
 
 Timings are wall-clock measurements of this machine, never test verdicts.
 """

@@ -243,7 +243,7 @@ class PNMix(PerTokenValues):
         shift = self.high_bits - self.low_bits
         planes = [Plane(k.low[0], self.low_bits, every, torch.where(high, 2.0**shift, 1.0)),
                   Plane(k.high[0], shift, index, torch.ones_like(index, dtype=torch.float32))]
-        offset = (~high).float() * 0.5 if self.center else torch.zeros(high.shape, device=high.device)
+        offset = (~high).float() * (0.5 if self.center else 0.0)  # on the keys' device
         keys = ChannelKeys(planes, k.scale[0].squeeze(-2), k.minimum[0].squeeze(-2), offset)
         return KernelView(keys, self.values_view(blocks))
 
