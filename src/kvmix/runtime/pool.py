@@ -97,18 +97,11 @@ class PagePool:
                 self.free.append(page)
         self.free.sort(reverse=True)  # hand out low ids first: tables stay compact
 
-    def clear(self) -> None:
-        self.__init__(self.max_pages, self.limit_hint)
-
     def to(self, device: torch.device | str) -> None:
         self.pages = map_tensors(self.pages, lambda t: t.to(device, non_blocking=True))
         self.version += 1
 
     # -- bytes ---------------------------------------------------------------------------------
-
-    def page_nbytes(self) -> int:
-        """Bytes one page takes in the pool's tensors."""
-        return sum(storage_bytes(t) for t in _tensors(self.pages)) // max(self.capacity, 1)
 
     def breakdown(self) -> Counter:
         """Bytes by kind (codes, scales, zeros, masks, full) for pages in use, and ``free`` for

@@ -277,10 +277,6 @@ class BatchStore:
         self.version += 1
         self.table_version += 1
 
-    def release(self) -> None:
-        for pages in self.pages:
-            self.pool.release(pages)
-
     def to(self, device: torch.device | str) -> None:
         moved = functools.partial(map_tensors, fn=lambda t: t.to(device, non_blocking=True))
         self.keys, self.values = moved(self.keys), moved(self.values)

@@ -99,8 +99,6 @@ def _table(store: BatchStore) -> Table:
 
 
 def _tensor(values: list, device: torch.device) -> torch.Tensor:
-    """A host list as an int64 tensor on ``device`` (copied without waiting for the device)."""
-    host = torch.tensor(values, dtype=torch.long)
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    """A host list as an int64 tensor on ``device`` (a host-to-device copy: it waits for no
+    kernel, so no sync)."""
+    return torch.tensor(values, dtype=torch.long, device=device)
