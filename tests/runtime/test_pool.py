@@ -131,19 +131,10 @@ def test_the_pool_grows_by_doubling_and_never_reconcatenates():
 def test_a_fixed_pool_refuses_before_anything_changes():
     """max_batch/max_tokens size the pool; beyond it: an error naming the capacity, and the
     cache holds exactly what it held."""
-    from conftest import TINY
-    from helpers import PAIRS, method_string
-    from transformers import LlamaConfig
-
-    from kvmix.runtime.cache import KVMixCache
-
-    def fixed(**size):
-        return KVMixCache(method_string("kivi2"), LlamaConfig(**TINY), PAIRS, backend="cpu",
-                          **size)
-
     with pytest.raises(ValueError, match="max_batch=2"):
-        prefill(fixed(max_batch=2, max_tokens=64), [10, 10, 10])
-    cache = fixed(max_batch=2, max_tokens=40)  # sink 4 + residual 16: 3 pages of 8 each
+        prefill(make("kivi2", backend="cpu", max_batch=2, max_tokens=64), [10, 10, 10])
+    # sink 4 + residual 16: 40 tokens seal 3 pages of 8 per sequence
+    cache = make("kivi2", backend="cpu", max_batch=2, max_tokens=40)
     prefill(cache, [40, 40])
     assert cache.layers[0].pool.capacity == 6
     before = [row.history(torch.float32) for row in cache.layers[0].rows]
@@ -155,4 +146,4 @@ def test_a_fixed_pool_refuses_before_anything_changes():
     assert all(torch.equal(a[0], b[0][..., : a[0].shape[-2], :]) for a, b in zip(
         before, after, strict=True))
     with pytest.raises(ValueError, match="give both"):
-        fixed(max_batch=2)
+        make("kivi2", max_batch=2)

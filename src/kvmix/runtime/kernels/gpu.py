@@ -42,7 +42,7 @@ else:
 
 MAX_QUERIES = 16
 KERNEL_BITS = (1, 2, 3, 4, 8)
-PROGRAMS = 128  # splits × KV heads (× sequences) to aim for, so batch 1 fills the device
+PROGRAMS = 1024  # programs (sequences × KV heads × splits) to aim for: several per SM
 MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
 
 
