@@ -201,6 +201,8 @@ def _run_throughput(config: BenchConfig, loaded: LoadedModel | None) -> list[dic
                 for run in runs:
                     throughput.timed(run, steps)
                     bar.advance(task, len(caches) / max(len(runs), 1))
+            for run in runs:
+                throughput.measure_peak(run, min(steps, 2))
             rows += throughput.rows(runs, prompt)
             del runs
     plots = [str(_throughput_plot(config, rows))] if config.out else []

@@ -135,17 +135,28 @@ def start(model, cache: Cache, group: str, batch: int, prompts: torch.Tensor, to
 
 @torch.no_grad()
 def timed(run: Run, steps: int) -> None:
-    """``steps`` greedy decode steps of the whole batch: seconds per step; the heap's peak."""
+    """``steps`` greedy decode steps of the whole batch, timed (nothing else runs: memory has
+    its own round)."""
+    _sync(run.model.device)
+    began = time.perf_counter()
+    for _ in range(steps):
+        run.token = _step(run.model, run.state, run.token)
+    _sync(run.model.device)
+    run.seconds.append((time.perf_counter() - began) / steps)
+
+
+@torch.no_grad()
+def measure_peak(run: Run, steps: int) -> None:
+    """``steps`` untimed decode steps with the allocator sampled: the peak above what was in
+    use before the cache was made."""
     device = run.model.device
     _sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with PeakMemory() as memory:
-        began = time.perf_counter()
         for _ in range(steps):
             run.token = _step(run.model, run.state, run.token)
         _sync(device)
-        run.seconds.append((time.perf_counter() - began) / steps)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory.peak
     run.peak = max(run.peak, peak - run.base_bytes)
 
