@@ -7,6 +7,7 @@ operation."""
 from __future__ import annotations
 
 import copy
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -139,6 +140,10 @@ def check(cache, reference, method) -> None:
         got, want = row.history(DTYPE), expected.history(method)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
+    layer = cache.layers[0]  # a page is counted once per holder and free once nobody holds it
+    holders = Counter(page for pages in layer.store.pages for page in pages)
+    assert all(layer.pool.refs[page] == count for page, count in holders.items())
+    assert sorted(layer.pool.free) == [p for p in range(layer.pool.capacity) if p not in holders]
 
 
 def test_the_reference_knows_the_layout():
