@@ -16,9 +16,9 @@ prefill-time channel selection needs). Two paths:
   their slots, one fused call attends the whole batch (the CPU op, or the Triton kernels: one
   pass over the pages plus one batched partial of the float slots; the reference path loops
   over sequences), rows whose residual filled are sealed in one ``encode`` call. No host sync:
-  token counts are the host's own, and the new tokens are validated into a device flag that is
-  read at the next prompt or chunk, by ``KVMixCache.check()``, or at every step with
-  ``KVMIX_CHECKS=1``;
+  token counts are the host's own, and the new tokens' largest magnitude is kept as a device
+  scalar (NaN once a value was) that is checked at the next prompt or chunk, by
+  ``KVMixCache.check()``, or at every step with ``KVMIX_CHECKS=1``;
 * anything else (a prompt, a chunk of scored tokens): each sequence's real tokens are checked,
   attended and committed, every full group of the batch sealed in one ``encode`` call.
 """
@@ -38,7 +38,7 @@ from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import slack_bytes, store_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
 from kvmix.runtime.pool import PagePool, PoolFull
-from kvmix.runtime.store import BatchStore, RowView, check_finite, invalid
+from kvmix.runtime.store import FLOAT16_MAX, BatchStore, RowView, check_finite, peak
 
 
 class _Handoff(threading.local):
@@ -59,8 +59,8 @@ def clear_pending() -> None:
     _HANDOFF.layer = None
 
 
-# Per layer, the device flag of decode steps' tokens not yet read (kept outside the cache so
-# its bytes are the cache's own only).
+# Per layer, the largest magnitude of decode steps' tokens not yet checked, a device scalar
+# (kept outside the cache so its bytes are the cache's own only).
 _FLAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -195,16 +195,16 @@ class KVMixLayer(CacheLayerMixin):
     def check(self) -> None:
         """Raise if a decode step since the last check stored a non-finite value (or one beyond
         the float16 range of a quantizing method's statistics): one host sync."""
-        flag = _FLAGS.pop(self, None)
-        if flag is not None and bool(flag):
+        seen = _FLAGS.pop(self, None)
+        bound = FLOAT16_MAX if self.method.quantizes else torch.finfo(torch.float32).max
+        if seen is not None and not bool(seen <= bound):  # NaN compares false
             raise ValueError(f"non-finite keys or values in layer {self.layer_idx} during "
                              "decoding (or, for a quantizing method, beyond the float16 range "
                              "±65504): kvmix keeps finite values only (check the model's dtype "
                              "and inputs)")
 
     def _flag(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        bad = invalid(keys, values, self.method.quantizes)
-        _FLAGS[self] = bad if self not in _FLAGS else _FLAGS[self] | bad
+        _FLAGS[self] = peak(keys, values, _FLAGS.get(self))
 
     # -- the cache contract --------------------------------------------------------------------
 

@@ -185,7 +185,7 @@ class BatchStore:
 
     def flush(self) -> None:
         """Seal the oldest group of every row whose residual is full, in one ``encode`` call
-        (no host sync: the step's tokens were validated on the device, ``invalid``)."""
+        (no host sync: the step's tokens were validated on the device, ``peak``)."""
         m, s = self.method, self.method.sink
         full = [b for b in range(self.batch) if self.res_len[b] >= m.residual]
         if not full:
@@ -383,12 +383,13 @@ def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
                              "only (check the model's dtype and inputs)")
 
 
-def invalid(keys: torch.Tensor, values: torch.Tensor, quantizes: bool) -> torch.Tensor:
-    """A device flag, no host sync: any key or value non-finite (or, for a quantizing method,
-    beyond the float16 range of the stored statistics)."""
-    peak = torch.maximum(keys.abs().amax(), values.abs().amax())
-    bound = FLOAT16_MAX if quantizes else torch.finfo(torch.float32).max
-    return ~(peak <= bound)  # NaN compares false
+def peak(keys: torch.Tensor, values: torch.Tensor, running: torch.Tensor | None
+         ) -> torch.Tensor:
+    """The largest magnitude seen so far, a device scalar (NaN once any value was NaN): no
+    host sync. keys, values: any shape."""
+    top = torch.maximum(torch.linalg.vector_norm(keys.float(), float("inf")),
+                        torch.linalg.vector_norm(values.float(), float("inf")))
+    return top if running is None else torch.maximum(running, top)
 
 
 def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
