@@ -77,9 +77,13 @@ def score(model, ids: torch.Tensor, method: str | Method, context: int, chunk: i
 
 def _scored(cache: KVMixCache, logprobs: torch.Tensor, targets: torch.Tensor,
             seconds: float) -> Scored:
-    return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.nbytes(),
-                  cache.nbytes_breakdown(), cache.theoretical_nbytes(), cache.fp16_nbytes(),
-                  cache.nbytes_16bit(), cache.bits(), getattr(cache.method, "plan", None))
+    """What the cache held for its tokens (capacity reserved ahead is in the breakdown as
+    ``free``, apart)."""
+    reserved = cache.nbytes_breakdown().get("free", 0)
+    return Scored(logprobs.cpu(), targets.cpu(), seconds, cache.held_nbytes(),
+                  cache.nbytes_breakdown(), cache.theoretical_nbytes() - reserved,
+                  cache.fp16_nbytes(), cache.nbytes_16bit(), cache.bits(),
+                  getattr(cache.method, "plan", None))
 
 
 def token_kl(reference: torch.Tensor, other: torch.Tensor) -> float:

@@ -20,6 +20,7 @@ from kvmix.methods import Method, ModelSpec, parse_method
 from kvmix.runtime.accounting import layout
 from kvmix.runtime.kernels import cpu, gpu
 from kvmix.runtime.layer import KVMixLayer, clear_pending
+from kvmix.runtime.pool import FREE
 
 QUANTIZED_LAYER_TYPES = ("full_attention",)
 FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
@@ -130,6 +131,12 @@ class KVMixCache(Cache):
         """Bytes of every storage the cache keeps alive."""
         return sum(self.nbytes_breakdown().values())
 
+    def held_nbytes(self) -> int:
+        """Bytes the cache keeps for the tokens it holds: ``nbytes()`` less capacity reserved
+        ahead (``free``: float slots no token fills yet, pool pages not in use)."""
+        kinds = self.nbytes_breakdown()
+        return sum(kinds.values()) - kinds.get(FREE, 0)
+
     def theoretical_nbytes(self) -> float:
         """Bytes the bit formulas predict: packed layers from the method's bits for the tokens
         each sequence holds (pages shared by beams once) plus the capacity held unused
@@ -148,12 +155,13 @@ class KVMixCache(Cache):
         return sum(k for k, _ in bits) / len(bits), sum(v for _, v in bits) / len(bits)
 
     def nbytes_16bit(self) -> int:
-        """What the same cache holds in a 16-bit model: the full-precision kinds (sink,
-        residual, full blocks, unpacked layers) priced at 16 bits, everything else as held."""
+        """What the same cache holds in a 16-bit model (capacity reserved ahead aside): the
+        full-precision kinds (sink, residual, full blocks, unpacked layers) priced at 16 bits,
+        everything else as held."""
         layers = [layer for layer in self.packed_layers if layer.is_initialized]
         scale = 2 / layers[0].dtype.itemsize if layers else 1.0
         return round(sum(held * (scale if kind in FULL_PRECISION_KINDS else 1)
-                         for kind, held in self.nbytes_breakdown().items()))
+                         for kind, held in self.nbytes_breakdown().items() if kind != FREE))
 
     def fp16_nbytes(self) -> int:
         """Bytes the same tokens of every layer would take as 16-bit keys and values."""

@@ -57,7 +57,7 @@ class PagePool:
             raise PoolFull(f"the page pool is full: {self.used} of max_pages={self.max_pages} "
                            f"pages in use and {count} more needed{self.limit_hint}")
         if self.pages is not None:
-            target = max(self.capacity + need, 2 * self.capacity)
+            target = max(self.capacity + need, -(-self.capacity * 5 // 4))
             if self.max_pages is not None:
                 target = min(target, self.max_pages)
             self._grow(target)
