@@ -59,6 +59,8 @@ def clear_pending() -> None:
     _HANDOFF.layer = None
 
 
+FUSED = {"cpu": cpu, "triton": gpu}  # the fused kernels of each backend (torch: none)
+
 # Per layer, the largest magnitude of decode steps' tokens not yet checked, a device scalar
 # (kept outside the cache so its bytes are the cache's own only).
 _FLAGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -170,7 +172,7 @@ class KVMixLayer(CacheLayerMixin):
     def _commit(self, new: list[tuple[torch.Tensor, ...]]) -> None:
         with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
             self.store.append(new)
-        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        fused = FUSED.get(self.backend)
         if fused:
             fused.prepare(self.store)  # the per-sequence views, once per prompt, not per step
 
@@ -178,7 +180,7 @@ class KVMixLayer(CacheLayerMixin):
               scaling: float) -> torch.Tensor:
         """A decode step: one new token per sequence -> [B, Hq, 1, D]."""
         store = self.store
-        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        fused = FUSED.get(self.backend)
         if fused and fused.batched(store):
             store.write(keys, values)
             out = fused.attend_batch(store, query, scaling)  # one call for the whole batch
@@ -315,7 +317,7 @@ class KVMixLayer(CacheLayerMixin):
     def _attend_row(self, row: RowView, query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, scaling: float) -> torch.Tensor:
         """The fused op for a few new queries over a history it can read, else the reference."""
-        fused = {"cpu": cpu, "triton": gpu}.get(self.backend)
+        fused = FUSED.get(self.backend)
         if fused and len(row) and query.shape[-2] <= fused.MAX_QUERIES:
             view = None if row.blocks is None else self.method.kernel_view(
                 row.blocks, self.layer_idx, row.selection)
