@@ -89,11 +89,11 @@ def test_compare_writes_the_documented_json(real_model, tmp_path):
     assert [r["ppl"] for r in rows] == [r["ppl"] for r in payload["rows"]]
 
 
-def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, monkeypatch):
-    """A clock that moves only inside the model: 1 per decode step, 1000 per prefill. The
-    timed window must hold exactly the new tokens (no prefill, no warmup)."""
-    from kvmix.commands import bench
-    from kvmix.commands.bench import BenchConfig, run_bench
+@pytest.fixture
+def model_clock(real_model, monkeypatch):
+    """A clock that moves only inside the model: 1 per decode step (whatever the batch), 1000
+    per prefill."""
+    import time
 
     clock = [0.0]
 
@@ -102,14 +102,18 @@ def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, monkey
         clock[0] += 1.0 if ids.shape[1] == 1 else 1000.0
 
     hook = real_model.model.register_forward_pre_hook(tick, with_kwargs=True)
-    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-    try:
-        rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=[96],
-                                     baselines=["dynamic"], new_tokens=4, warmup=2, rounds=2,
-                                     backend=["torch", "cpu"], out=str(tmp_path)),
-                         loaded=real_model)
-    finally:
-        hook.remove()
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    yield
+    hook.remove()
+
+
+def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, model_clock):
+    """The timed window must hold exactly the new tokens (no prefill, no warmup)."""
+    from kvmix.commands.bench import BenchConfig, run_bench
+
+    rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=[96],
+                                 baselines=["dynamic"], new_tokens=4, warmup=2, rounds=2,
+                                 backend=["torch", "cpu"], out=str(tmp_path)), loaded=real_model)
     assert [(r["method"], r["backend"]) for r in rows] == [
         ("dynamic", "-"), ("full", "torch"), ("full", "cpu"), ("kivi2:residual=32", "torch"),
         ("kivi2:residual=32", "cpu")]
@@ -338,27 +342,15 @@ def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
     assert saved["choice"] == result["choice"] and saved["config"]["max_kl"] == 0.05
 
 
-def test_throughput_fits_more_sequences_in_the_same_memory(real_model, tmp_path, monkeypatch):
-    """``bench --throughput`` with a clock that moves 1 per decode step whatever the batch: a
-    cache's tokens/s is its batch, so equal-memory ratios are ratios of largest batches."""
+def test_throughput_fits_more_sequences_in_the_same_memory(real_model, tmp_path, model_clock):
+    """``bench --throughput``: with the model's clock a cache's tokens/s is its batch, so
+    equal-memory ratios are ratios of largest batches."""
     from kvmix.commands.bench import BenchConfig, run_bench
-    from kvmix.evaluation import throughput
 
-    clock = [0.0]
-
-    def tick(module, args, kwargs) -> None:
-        ids = args[0] if args else kwargs["input_ids"]
-        clock[0] += 1.0 if ids.shape[1] == 1 else 1000.0
-
-    hook = real_model.model.register_forward_pre_hook(tick, with_kwargs=True)
-    monkeypatch.setattr(throughput.time, "perf_counter", lambda: clock[0])
-    try:
-        rows = run_bench(BenchConfig(methods=["kivi2:residual=32"], prompt=[64], tokens=32,
-                                     throughput=True, memory="10MB", batch=[1, 2],
-                                     baselines=["dynamic"], new_tokens=2, warmup=1, rounds=1,
-                                     backend=["cpu"], out=str(tmp_path)), loaded=real_model)
-    finally:
-        hook.remove()
+    rows = run_bench(BenchConfig(methods=["kivi2:residual=32"], prompt=[64], tokens=32,
+                                 throughput=True, memory="10MB", batch=[1, 2],
+                                 baselines=["dynamic"], new_tokens=2, warmup=1, rounds=1,
+                                 backend=["cpu"], out=str(tmp_path)), loaded=real_model)
     by = {(r["method"], r["group"], r["batch"]): r for r in rows}
     dynamic, kivi = (next(r for r in rows if r["method"] == m and r["group"] == "budget")
                      for m in ("dynamic", "kivi2:residual=32"))

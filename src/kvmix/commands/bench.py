@@ -137,7 +137,7 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
             steps = -(-config.new_tokens // config.rounds)
             for _ in range(config.rounds):  # interleaved: drift of the machine hits all alike
                 for run in runs:
-                    _time(run, steps)
+                    throughput.timed(run, steps)
                     bar.advance(task)
             for run in runs:
                 _measure_memory(run, min(steps, 4))
@@ -271,25 +271,14 @@ def _start(model, ids: torch.Tensor, name: str, backend: str, build: Callable,
     runner, cache, selecting = build(model)
     start = time.perf_counter()
     logits = runner(ids.to(runner.device), cache=cache, use_cache=True, logits_to_keep=1).logits
-    _sync(runner.device)
+    throughput.sync(runner.device)
     prefill = time.perf_counter() - start
     token = logits[:, -1:].argmax(-1)  # [1, 1]
     del logits
     for _ in range(config.warmup):
-        token = _step(runner, cache, token)
+        token = throughput.step(runner, cache, token)
     gc.collect()
     return _Run(name, backend, runner, cache, token, prefill, selecting[0], heap_bytes() - base)
-
-
-@torch.no_grad()
-def _time(run: _Run, steps: int) -> None:
-    """``steps`` greedy decode steps, timed (nothing else runs: memory has its own round)."""
-    _sync(run.model.device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        run.token = _step(run.model, run.cache, run.token)
-    _sync(run.model.device)
-    run.seconds.append((time.perf_counter() - start) / steps)
 
 
 @torch.no_grad()
@@ -300,13 +289,8 @@ def _measure_memory(run: _Run, steps: int) -> None:
     with PeakMemory() as memory:
         start_bytes = heap_bytes()
         for _ in range(steps):
-            run.token = _step(run.model, run.cache, run.token)
+            run.token = throughput.step(run.model, run.cache, run.token)
     run.transient = max(run.transient, memory.peak - start_bytes)
-
-
-def _step(model, cache, token: torch.Tensor) -> torch.Tensor:
-    """One greedy decode step: token [1, 1] -> the next [1, 1]."""
-    return model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
 def _kvmix(method: str, backend: str, model) -> tuple[Any, Any, list[float]]:
@@ -375,8 +359,3 @@ def _throughput_plot(config: BenchConfig, rows: list[dict]) -> Path:
                          "aggregate decode tokens/s",
                          f"throughput vs batch (★: largest batch within {config.memory})",
                          marks=marks)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -58,11 +58,11 @@ class Cache:
 class Run:
     """One cache at one batch, alive across the timing rounds."""
 
-    cache: Cache
+    candidate: Cache
     group: str  # "batch" (a fixed batch) or "budget" (the cache's largest batch)
     batch: int
     model: Any
-    state: Any
+    cache: Any
     token: torch.Tensor  # [B, 1]
     prefill_s: float
     base_bytes: int
@@ -116,32 +116,33 @@ def windows(ids: torch.Tensor, rows: int, prompt: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def start(model, cache: Cache, group: str, batch: int, prompts: torch.Tensor, tokens: int,
+def start(model, candidate: Cache, group: str, batch: int, prompts: torch.Tensor, tokens: int,
           warmup: int) -> Run:
     """Make the cache, prefill ``prompts`` [batch, prompt] (timed), warm up."""
     gc.collect()
     base = _allocated(model.device)
-    runner, state = cache.make(model, batch, tokens)
+    runner, cache = candidate.make(model, batch, tokens)
     began = time.perf_counter()
-    logits = runner(prompts.to(runner.device), cache=state, use_cache=True,
+    logits = runner(prompts.to(runner.device), cache=cache, use_cache=True,
                     logits_to_keep=1).logits
-    _sync(runner.device)
+    sync(runner.device)
     prefill = time.perf_counter() - began
     token = logits[:, -1:].argmax(-1)  # [B, 1]
     for _ in range(warmup):
-        token = _step(runner, state, token)
-    return Run(cache, group, batch, runner, state, token, prefill, base)
+        token = step(runner, cache, token)
+    return Run(candidate, group, batch, runner, cache, token, prefill, base)
 
 
 @torch.no_grad()
-def timed(run: Run, steps: int) -> None:
+def timed(run: Any, steps: int) -> None:
     """``steps`` greedy decode steps of the whole batch, timed (nothing else runs: memory has
-    its own round)."""
-    _sync(run.model.device)
+    its own round); ``run`` has the model, its cache, the next token and a list of seconds
+    per step (``bench``'s prompt runs too)."""
+    sync(run.model.device)
     began = time.perf_counter()
     for _ in range(steps):
-        run.token = _step(run.model, run.state, run.token)
-    _sync(run.model.device)
+        run.token = step(run.model, run.cache, run.token)
+    sync(run.model.device)
     run.seconds.append((time.perf_counter() - began) / steps)
 
 
@@ -150,13 +151,13 @@ def measure_peak(run: Run, steps: int) -> None:
     """``steps`` untimed decode steps with the allocator sampled: the peak above what was in
     use before the cache was made."""
     device = run.model.device
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with PeakMemory() as memory:
         for _ in range(steps):
-            run.token = _step(run.model, run.state, run.token)
-        _sync(device)
+            run.token = step(run.model, run.cache, run.token)
+        sync(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory.peak
     run.peak = max(run.peak, peak - run.base_bytes)
 
@@ -166,11 +167,12 @@ def rows(runs: list[Run], prompt: int) -> list[dict]:
     out = []
     for run in runs:
         rate = run.batch / statistics.median(run.seconds)
-        out.append({"method": run.cache.name, "backend": run.cache.backend, "group": run.group,
+        candidate = run.candidate
+        out.append({"method": candidate.name, "backend": candidate.backend, "group": run.group,
                     "batch": run.batch, "prompt": prompt, "tokens_per_s": rate,
-                    "max_batch": run.cache.max_batch, "per_sequence_bytes":
-                    run.cache.per_sequence, "planned_bytes": run.cache.planned,
-                    "cache_bytes": cache_bytes(run.state), "peak_bytes": run.peak,
+                    "max_batch": candidate.max_batch, "per_sequence_bytes":
+                    candidate.per_sequence, "planned_bytes": candidate.planned,
+                    "cache_bytes": cache_bytes(run.cache), "peak_bytes": run.peak,
                     "prefill_s": run.prefill_s})
     for row in out:
         dynamic = [r for r in out if r["method"] == "dynamic" and r["group"] == row["group"]
@@ -184,9 +186,9 @@ def check_methods(methods: list[str]) -> None:
         parse_method(method)
 
 
-def _step(model, state, token: torch.Tensor) -> torch.Tensor:
+def step(model, cache, token: torch.Tensor) -> torch.Tensor:
     """One greedy decode step of every sequence: token [B, 1] -> the next [B, 1]."""
-    return model(token, cache=state, use_cache=True).logits[:, -1:].argmax(-1)
+    return model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
 
 
 def _allocated(device: torch.device) -> int:
@@ -194,6 +196,6 @@ def _allocated(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else heap_bytes()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

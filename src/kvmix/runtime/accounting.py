@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmix.methods import Method, ModelSpec
-from kvmix.runtime.store import BatchStore
+from kvmix.runtime.store import BatchStore, sealed_groups
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ def layout(method: Method, tokens: int) -> Layout:
     """The flush rule in closed form: where ``tokens`` real tokens sit."""
     sink = min(tokens, method.sink)
     rest = tokens - sink
-    blocks = 0 if rest < method.residual else (rest - method.residual) // method.group + 1
+    blocks = sealed_groups(method, rest)
     return Layout(sink, blocks, rest - blocks * method.group)
 
 

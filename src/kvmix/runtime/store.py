@@ -47,6 +47,12 @@ class Placement:
     residual: int  # residual length afterwards
 
 
+def sealed_groups(method: Method, tokens: int) -> int:
+    """The flush rule: groups sealed from a residual of ``tokens`` (it keeps fewer than
+    ``residual``)."""
+    return 0 if tokens < method.residual else (tokens - method.residual) // method.group + 1
+
+
 class BatchStore:
     """Float slots, block table and selections of every sequence of one layer."""
 
@@ -111,7 +117,7 @@ class BatchStore:
         room = m.sink - self.sink_len[b] if not self.pages[b] else 0
         into_sink = min(max(room, 0), self.res_len[b] + n)
         rest = self.res_len[b] + n - into_sink
-        blocks = 0 if rest < m.residual else (rest - m.residual) // m.group + 1
+        blocks = sealed_groups(m, rest)
         return Placement(b, into_sink, blocks, rest - blocks * m.group)
 
     def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
