@@ -28,8 +28,13 @@ test: $(STAMP)
 
 # Not in CI: llama-cpp-python builds from source (about 10 minutes on 2 cores). llama.cpp with
 # each K/V cache type beside kvmix's ggml method with the same types (scripts/engine_check.py).
+# llama.cpp for this CPU's AVX-512/VNNI/BF16 but without AMX: these VMs list AMX and fault on it
+# (a native build dies with "Illegal instruction").
+LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 engine-check: $(STAMP)
-	$(BIN)/pip install --quiet -e '.[engine]'
+	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install --quiet -e '.[engine]'
 	$(BIN)/python scripts/engine_check.py --out results/engine-check
 
 lint: $(STAMP)

@@ -326,6 +326,7 @@ def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
     llama = plan["engines"]["llama.cpp"]
     assert llama["setting"] == "q4_1/q4_0" and llama["kl"] > 0 and plan["kl"] > 0
     vllm, sglang = plan["engines"]["vllm"], plan["engines"]["sglang"]
+    assert plan["engine_releases"]["vllm"] == vllm["release"] == "0.33.0"
     assert vllm["setting"] == "turboquant_k8v4" and vllm["kl"] is None  # not simulated
     assert sglang["setting"] == "fp8_e4m3" and sglang["kl"] > 0  # float8: simulated
     assert load_plan(tmp_path / "plan" / "kv_plan.json", real_model.model) == plan["method"]
@@ -337,7 +338,9 @@ def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
     assert rows["ggml:k=q8_0,v=q8_0"]["token_kl"] < rows["ggml:k=q4_0,v=q4_0"]["token_kl"]
     meeting = [r for r in result["rows"] if r["token_kl"] <= 0.05]
     assert result["choice"] == min(meeting, key=lambda r: r["effective_bits"])
-    assert rows["ggml:k=q4_0,v=q4_0"]["flags"] == "llama.cpp: -ctk q4_0 -ctv q4_0 -fa on"
+    assert rows["ggml:k=q4_0,v=q4_0"]["flags"] == ("llama.cpp: -ctk q4_0 -ctv q4_0 -fa on "
+                                                  "(measured)")
+    assert "from the source" in rows["kivi2"]["flags"]  # vLLM's TurboQuant: not simulated
     saved = json.loads((tmp_path / "rec" / "results.json").read_text())
     assert saved["choice"] == result["choice"] and saved["config"]["max_kl"] == 0.05
 

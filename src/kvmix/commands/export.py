@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmix.core.transforms import save_multipliers
+from kvmix.evaluation.engine_formats import CURRENT, parse_versions
 from kvmix.evaluation.jobs import JobConfig, load_inputs, score_methods
 from kvmix.evaluation.plans import make_plan, measured_kl, save_plan, simulated
 from kvmix.evaluation.report import console, print_table
@@ -50,6 +51,7 @@ class ExportPlanConfig(JobConfig):
     eval_tokens: int = 128
     chunk: int = 1
     measure: bool = True
+    engine_version: str = ""  # engine=version[,...]: other known releases than the current
 
 
 def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dict:
@@ -58,8 +60,9 @@ def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dic
         raise ValueError("out is required: the folder kv_plan.json is written to")
     check_lengths(config.context, config.eval_tokens, config.chunk)
     parse_method(config.method)  # a bad method string fails before the model loads
+    versions = parse_versions(config.engine_version)  # so does an unknown engine release
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    plan = make_plan(loaded, config.method)
+    plan = make_plan(loaded, config.method, versions)
     if config.measure:
         methods = simulated(plan)
         scored = score_methods(loaded, ids, ["full", *methods], config.context, config.chunk,
@@ -70,12 +73,13 @@ def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dic
                                "eval_tokens": config.eval_tokens}
     rows = [{"engine": "kvmix", "setting": config.method, "flags": "",
              "kl": plan.get("kl"), "cannot": ""}]
-    rows += [{"engine": name, "setting": s["setting"], "flags": " ".join(s["flags"]),
-              "kl": s["kl"], "cannot": "; ".join(s["cannot"])}
+    rows += [{"engine": f"{name} {s['release']}", "setting": s["setting"],
+              "flags": " ".join(s["flags"]), "kl": s["kl"], "fidelity": s["fidelity"],
+              "cannot": "; ".join(s["cannot"])}
              for name, s in plan["engines"].items()]
     print_table(f"kvmix export --plan · {loaded.name} · {config.method}", rows,
                 {"engine": "engine", "setting": "setting", "flags": "flags", "kl": "token KL",
-                 "cannot": "cannot express"})
+                 "fidelity": "measured or from the source", "cannot": "cannot express"})
     console.print(f"wrote {save_plan(config.out, plan)}")
     return plan
 
@@ -93,6 +97,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--context", type=int, default=ExportPlanConfig.context)
     parser.add_argument("--eval-tokens", type=int, default=ExportPlanConfig.eval_tokens)
     parser.add_argument("--no-measure", action="store_true", help="--plan: skip the KL")
+    parser.add_argument("--engine-version", default="", metavar="ENGINE=VERSION[,...]",
+                        help="--plan: target another known engine release (default: "
+                             + ", ".join(f"{e} {v}" for e, v in CURRENT.items()) + ")")
     parser.add_argument("--out", required=True)
     parser.set_defaults(run=_run)
 
@@ -101,6 +108,7 @@ def _run(args) -> None:
     if args.plan:
         run_plan(ExportPlanConfig(model=args.model, data=args.data, dtype=args.dtype,
                                   out=args.out, method=args.plan, context=args.context,
-                                  eval_tokens=args.eval_tokens, measure=not args.no_measure))
+                                  eval_tokens=args.eval_tokens, measure=not args.no_measure,
+                                  engine_version=args.engine_version))
     else:
         run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))

@@ -1,15 +1,18 @@
 """``kvmix recommend``: the cache to deploy. Scores kvmix's methods and the engines' own settings
-(llama.cpp's types through ``ggml``, vLLM/SGLang float8 through ``fp8``) on the same text, then
+(llama.cpp's types through ``ggml``, vLLM/SGLang float8 through ``fp8``, vLLM's per-token-head
+modes through ``pertoken``) on the same text, then
 picks, under a bit budget (``--budget``: effective bits per element, sink and residual priced at
 16 bits), the lowest token KL, or under a KL ceiling (``--max-kl``) the fewest bits. Each row
 carries the engine flags that run it, or, for kvmix's methods, the nearest engine setting and
-what it cannot express (``kvmix.evaluation.engines``)."""
+what it cannot express (``kvmix.evaluation.engines``), each marked measured (kvmix simulates it)
+or from the source (bits only)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
+from kvmix.evaluation.engine_formats import CURRENT
 from kvmix.evaluation.engines import engine_flags, nearest
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
 from kvmix.evaluation.plans import bound
@@ -17,10 +20,12 @@ from kvmix.evaluation.report import console
 from kvmix.evaluation.scoring import check_lengths, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
+from kvmix.runtime.cache import model_spec
 
 KVMIX = ["kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2", "pnmix1", "pnmix2"]
 ENGINE = ["ggml:k=q8_0,v=q8_0", "ggml:k=q8_0,v=q4_0", "ggml:k=q4_0,v=q8_0",
-          "ggml:k=q4_0,v=q4_0", "fp8:format=e4m3,scale=tensor"]
+          "ggml:k=q4_0,v=q4_0", "fp8:format=e4m3,scale=tensor",
+          "pertoken:format=int8_per_token_head", "pertoken:format=int4_per_token_head"]
 COLUMNS = {"method": "method", "runs_on": "runs on", "effective_bits": "eff. bits",
            "token_kl": "token KL", "delta_ppl": "Δppl", "meets": "meets", "flags": "flags"}
 
@@ -59,7 +64,7 @@ def run_recommend(config: RecommendConfig, loaded: LoadedModel | None = None) ->
     limit = (f"budget {config.budget} bits" if config.budget is not None
              else f"token KL ≤ {config.max_kl}")
     finish("recommend", config, loaded, rows, f"{limit} · context {config.context} + "
-           f"{config.eval_tokens} tokens", COLUMNS, choice=choice)
+           f"{config.eval_tokens} tokens", COLUMNS, choice=choice, engine_releases=CURRENT)
     if choice is None:
         console.print(f"no candidate meets {limit}")
     else:
@@ -86,9 +91,12 @@ def _row(method: str, figures: dict, loaded: LoadedModel, config: RecommendConfi
     flags = engine_flags(method)
     if flags:
         runs_on = ", ".join(flags)
-        text = "; ".join(f"{engine}: {' '.join(f)}" for engine, f in flags.items())
+        text = "; ".join(f"{engine}: {' '.join(f)} (measured)" for engine, f in flags.items())
     else:  # kvmix's own cache; the nearest engine settings are approximations
         runs_on = "kvmix"
-        settings = nearest(*bound(loaded, method))
-        text = "nearest: " + "; ".join(f"{engine} {s.setting}" for engine, s in settings.items())
+        head_dim = model_spec(loaded.model.config).head_dim
+        settings = nearest(*bound(loaded, method), head_dim)
+        text = "nearest: " + "; ".join(
+            f"{engine} {s.setting} ({'measured' if s.simulate else 'from the source'})"
+            for engine, s in settings.items())
     return {"method": method, "runs_on": runs_on, **figures, "meets": meets, "flags": text}

@@ -29,11 +29,13 @@ def bound(loaded: LoadedModel, text: str) -> tuple[Method, list[tuple[float, flo
     return method, [method.bits(i, loaded.dtype) for i in range(layers)]
 
 
-def make_plan(loaded: LoadedModel, text: str) -> dict[str, Any]:
-    """The plan of the method ``text`` for the model, as a JSON-ready dict."""
+def make_plan(loaded: LoadedModel, text: str,
+              versions: dict[str, str] | None = None) -> dict[str, Any]:
+    """The plan of the method ``text`` for the model, as a JSON-ready dict, with the nearest
+    settings of the engines' current releases (or those ``versions`` names)."""
     method, layers = bound(loaded, text)
     spec = model_spec(loaded.model.config)
-    engines = nearest(method, layers)
+    engines = nearest(method, layers, spec.head_dim, versions)
     return {
         "method": text,
         "resolved": repr(method),
@@ -45,6 +47,7 @@ def make_plan(loaded: LoadedModel, text: str) -> dict[str, Any]:
         "model": {"name": loaded.name, "fingerprint": fingerprint(loaded.model),
                   "layers": spec.n_layers, "kv_heads": spec.n_kv_heads,
                   "head_dim": spec.head_dim, "dtype": str(loaded.dtype)},
+        "engine_releases": {name: s.release for name, s in engines.items()},
         "engines": {name: dataclasses.asdict(s) for name, s in engines.items()},
     }
 

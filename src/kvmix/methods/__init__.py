@@ -103,7 +103,19 @@ def _literal(raw: str) -> Any:
 
 
 # One line per method module: importing it registers it.
-from kvmix.methods import chanmix, fp8, full, ggml, kitty, kivi, kxvy, pnmix, polar, wush  # noqa: E402, F401
+from kvmix.methods import (  # noqa: E402, F401
+    chanmix,
+    fp8,
+    full,
+    ggml,
+    kitty,
+    kivi,
+    kxvy,
+    pertoken,
+    pnmix,
+    polar,
+    wush,
+)
 
 __all__ = [
     "Blocks",

@@ -14,10 +14,19 @@ unrounded scale):
 * ``f16``: the float16 value.
 
 Since llama.cpp's activation rotation (ggml-org/llama.cpp#21038, April 2026), a quantized side is
-stored rotated by the normalized Hadamard matrix H over the head dim (queries alike, the output
-rotated back; power-of-two head dims): ``rotate=auto`` does the same (``x̂ = H·Q(H·x)``, exactly
-equivalent),
-``rotate=none`` is the engine with ``LLAMA_ATTN_ROT_DISABLE=1``.
+stored rotated by a block-diagonal normalized Hadamard matrix H (queries alike, the output
+rotated back), when the head dim is a multiple of 64 (``src/llama-kv-cache.cpp``): keys in blocks
+of the largest power of two dividing the head dim, values in blocks of 64. ``rotate=auto`` does
+the same (``x̂ = H·Q(H·x)``, exactly equivalent); ``rotate=none`` is the engine with
+``LLAMA_ATTN_ROT_DISABLE=1``.
+
+The engine's CPU flash attention converts each query to the key type's dot type before the dot
+products (``ggml/src/ggml-cpu/ops.cpp``): q8_0 blocks for q8_0, q5_0 and q4_0 keys, q8_1 for
+q5_1 and q4_1 (the same codes and scale as q8_0; the sum q8_1 keeps for the minimum term is
+float16 in the engine, exact here). ``query=engine`` (the default) rounds the query the same way,
+in the engine's channel order and rotation; ``query=float`` keeps it float. f16 keys: the
+query stays float (the engine's single-token decode rounds it to float16, its batched prompt
+path does not; below the cache's own float16 rounding either way).
 
 llama.cpp stores every token quantized, the prompt's too, with no sink and no float residual:
 the defaults here (``sink=0``, ``residual=1``, ``group=1``: a token is encoded right after its
@@ -45,6 +54,8 @@ FORMATS = {"f16": (16, False), "q8_0": (8, False), "q5_0": (5, False), "q5_1": (
            "q4_0": (4, False), "q4_1": (4, True)}
 ORDERS = ("pairs", "model")
 ROTATIONS = ("auto", "none")
+QUERIES = ("engine", "float")
+ROTATION_STEP = 64  # the engine rotates a side when the head dim is a multiple of this
 
 
 @dataclass
@@ -147,6 +158,7 @@ class Ggml(Method):
     v: str = "q8_0"
     key_order: str = "pairs"
     rotate: str = "auto"
+    query: str = "engine"
     sink: int = 0
     residual: int = 1
     group: int = 1
@@ -157,6 +169,7 @@ class Ggml(Method):
         choice(self.v, "v", tuple(FORMATS))
         choice(self.key_order, "key_order", ORDERS)
         choice(self.rotate, "rotate", ROTATIONS)
+        choice(self.query, "query", QUERIES)
 
     def bind(self, spec: ModelSpec) -> None:
         if spec.head_dim % BLOCK:
@@ -168,44 +181,66 @@ class Ggml(Method):
         # the engine's channel of each stored key channel (a view of the model's pairs), or None
         pairs = self.key_order == "pairs" and self.k != "f16"
         self.order = spec.pairs.flatten() if pairs else None
-        self.rotation = hadamard(spec.head_dim) if self._rotates(spec) else None  # [D, D]
+        # each side's block Hadamard [b, b], or None where the engine keeps the side unrotated
+        self.rotation = {side: hadamard(block) if block else None
+                         for side, block in self._blocks(spec).items()}
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[Any, Any]:
         # keys, values: [B, H, G, D]; keys in the engine's channel order
-        if self.order is not None:
-            keys = keys.index_select(-1, self.order.to(keys.device))
-        return (quantize_blocks(self._rotated(keys, self.k), self.k),
-                quantize_blocks(self._rotated(values, self.v), self.v))
+        return (quantize_blocks(self._rotated(self._ordered(keys), "k"), self.k),
+                quantize_blocks(self._rotated(values, "v"), self.v))
 
-    def _rotated(self, x: torch.Tensor, kind: str) -> torch.Tensor:
-        """x·H for a side the engine rotates (H = H⁻¹: also the way back)."""
-        if self.rotation is None or kind == "f16":
+    def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
+        """queries [B, Hq, q, D] rounded as the engine's flash attention rounds them against
+        this key type (``query=engine``): q8_0 codes of the rotated, reordered query, back in
+        the model's frame, so that q̃·k̂ equals the engine's dot product."""
+        if self.query == "float" or self.k == "f16":
+            return queries
+        rounded = quantize_blocks(self._rotated(self._ordered(queries), "k"), "q8_0")
+        shape = queries.shape[1:]
+        back = dequantize_blocks(rounded, "q8_0", shape, torch.float32)
+        return self._ordered(self._rotated(back, "k"), inverse=True).to(queries.dtype)
+
+    def _ordered(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Key channels in the engine's order (or back)."""
+        if self.order is None:
             return x
-        return x.float() @ self.rotation.to(x.device)
+        order = self.order.argsort() if inverse else self.order
+        return x.index_select(-1, order.to(x.device))
+
+    def _rotated(self, x: torch.Tensor, side: str) -> torch.Tensor:
+        """x·H over each block for a side the engine rotates (H = H⁻¹: also the way back)."""
+        h = self.rotation[side]
+        if h is None:
+            return x
+        return (x.float().unflatten(-1, (-1, h.shape[0])) @ h.to(x.device)).flatten(-2)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.spec.n_kv_heads, self.group, self.spec.head_dim)
-        keys = self._rotated(dequantize_blocks(blocks.keys, self.k, shape, torch.float32), self.k)
-        if self.order is not None:
-            keys = keys.index_select(-1, self.order.argsort().to(keys.device))
+        keys = self._rotated(dequantize_blocks(blocks.keys, self.k, shape, torch.float32), "k")
         values = dequantize_blocks(blocks.values, self.v, shape, torch.float32)
-        return keys.to(dtype), self._rotated(values, self.v).to(dtype)
+        return self._ordered(keys, inverse=True).to(dtype), self._rotated(values, "v").to(dtype)
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return format_bits(self.k), format_bits(self.v)
 
     def static_tensors(self) -> list[torch.Tensor]:
-        return [] if self.rotation is None else [self.rotation]
+        return [h for h in self.rotation.values() if h is not None]
 
     def static_nbytes(self, spec: ModelSpec) -> int:
-        return 4 * spec.head_dim**2 if self._rotates(spec) else 0  # float32 H
+        return sum(4 * block**2 for block in self._blocks(spec).values())  # float32 H per side
 
-    def _rotates(self, spec: ModelSpec) -> bool:
-        """The engine rotates when a side is quantized and H exists (a power-of-two head dim)."""
-        power_of_two = spec.head_dim & (spec.head_dim - 1) == 0
-        return self.rotate == "auto" and (self.k != "f16" or self.v != "f16") and power_of_two
+    def _blocks(self, spec: ModelSpec) -> dict[str, int]:
+        """Per side, the engine's rotation block (0: not rotated): a quantized side of a head
+        dim that is a multiple of 64; keys over the largest power of two dividing it, values
+        over 64."""
+        rotates = self.rotate == "auto" and spec.head_dim % ROTATION_STEP == 0
+        blocks = {"k": spec.head_dim & -spec.head_dim, "v": ROTATION_STEP}
+        kinds = {"k": self.k, "v": self.v}
+        return {side: block if rotates and kinds[side] != "f16" else 0
+                for side, block in blocks.items()}
 
     @classmethod
     def describe(cls) -> str:
