@@ -119,6 +119,7 @@ def test_memory_sizes_parse(text, expected):
     (["plan", "--model", "gpt-5"], r"model='gpt-5' is neither a bundled config"),
     (["plan", "--device", "tpu"], "device='tpu' is unknown; valid: a100-40gb"),
     (["plan", "--memory", "forty"], "memory='forty' does not parse"),
+    (["plan", "--overhead=-1GB"], "overhead=.-1GB. does not parse; write a size of 0 or more"),
     (["plan", "--batch", "0"], "batch=0 is invalid; expected an integer >= 1"),
     (["plan", "--tokens", "-5"], "tokens=-5 is invalid"),
     (["plan", "--weight-bits", "3"], "weight_bits=3 is invalid; valid: 16, 8, 4"),
@@ -131,6 +132,18 @@ def test_bad_plans_fail_with_a_clear_error(argv, message, capsys):
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert re.search(message, err), err
+
+
+def test_an_overhead_of_zero_leaves_the_memory_to_weights_and_cache(tmp_path):
+    argv = ["plan", "--model", "qwen3-8b", "--device", "a100-40gb", "--methods", "full",
+            "--batch", "8", "--tokens", "4096"]
+    main([*argv, "--overhead", "0", "--out", str(tmp_path / "none")])
+    main([*argv, "--overhead", "2GB", "--out", str(tmp_path / "some")])
+    none, some = (json.loads((tmp_path / d / "results.json").read_text())["rows"][0]
+                  for d in ("none", "some"))
+    assert none["overhead_bytes"] == 0 and some["overhead_bytes"] == 2e9
+    assert none["total_bytes"] == some["total_bytes"] - 2e9
+    assert none["max_batch"] >= some["max_batch"]
 
 
 def test_the_command_writes_rows_and_a_capacity_plot(tmp_path):

@@ -283,7 +283,7 @@ def test_an_unknown_engine_release_is_refused_listing_the_known_ones():
     with pytest.raises(ValueError, match=r"sglang release '0.5.19' is unknown; known: 0.5.23, "
                                          r"0.5.20"):
         parse_versions("sglang=0.5.19")
-    with pytest.raises(ValueError, match="engine 'tgi' is unknown; known: llama.cpp, vllm"):
+    with pytest.raises(ValueError, match=r"engine .tgi. is unknown; known: llama\.cpp, vllm"):
         parse_versions("tgi=1.0")
     with pytest.raises(ValueError, match="engine_version='sglang' is invalid"):
         parse_versions("sglang")

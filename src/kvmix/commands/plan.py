@@ -92,7 +92,8 @@ def run_plan(config: PlanConfig) -> list[dict]:
     target = _target(config)
     arch = architecture(config.model)
     dtype = _dtype(config.kv_dtype)
-    overhead = parse_memory(config.overhead) if config.overhead else DEFAULT_OVERHEAD
+    overhead = (parse_memory(config.overhead, "overhead", allow_zero=True) if config.overhead
+                else DEFAULT_OVERHEAD)
     methods = {text: bound(text, arch) for text in config.methods}
     context = config.prompt + config.tokens
     _check_room(arch, config, target, overhead)

@@ -66,13 +66,17 @@ def device(name: str) -> Device:
                      "(or give --memory)")
 
 
-def parse_memory(text: str) -> float:
-    """``40GB`` (10^9), ``40GiB`` (2^30), ``512MiB``, ... -> bytes."""
+def parse_memory(text: str, name: str = "memory", allow_zero: bool = False) -> float:
+    """``40GB`` (10^9), ``40GiB`` (2^30), ``512MiB``, ... -> bytes (``name``: the parameter the
+    error names; ``allow_zero``: 0 is a valid size, as an overhead of none)."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else ""
+    if allow_zero and match and float(match.group(1)) == 0:
+        return 0.0
     if not match or unit not in UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"memory={text!r} does not parse; write a positive size like 40GB, "
-                         "40GiB or 512MiB")
+        kind = "a size of 0 or more" if allow_zero else "a positive size"
+        raise ValueError(f"{name}={text!r} does not parse; write {kind} like 40GB, 40GiB or "
+                         "512MiB")
     return float(match.group(1)) * UNITS[unit]
 
 

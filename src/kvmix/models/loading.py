@@ -3,9 +3,12 @@ SPEC §9), any transformers model id or folder, or a local ``.gguf`` file."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,9 +44,11 @@ def smollm2_location() -> tuple[str, str]:
     return folder, SMOLLM2_FILE
 
 
-def resolve_dtype(dtype: str, device: str) -> torch.dtype:
+def resolve_dtype(dtype: str, device: str, checkpoint: torch.dtype | None = None) -> torch.dtype:
+    """``auto``: float32 on the CPU; on an accelerator the checkpoint's own dtype (a bfloat16
+    model stays bfloat16: its activations can overflow float16), float16 when it has none."""
     if dtype == "auto":
-        return torch.float32 if device == "cpu" else torch.float16
+        return torch.float32 if device == "cpu" else checkpoint or torch.float16
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; valid: auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
@@ -54,16 +59,43 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cp
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    logging.disable_progress_bar()  # kvmix shows its own progress; GGUF conversion is brief
+    logging.disable_progress_bar()  # kvmix shows its own progress
 
-    torch_dtype = resolve_dtype(dtype, device)
     folder, gguf = _locate(name)
     extra = {"gguf_file": gguf} if gguf else {}
+    checkpoint = checkpoint_dtype(folder, **extra) if dtype == "auto" else None
+    torch_dtype = resolve_dtype(dtype, device, checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
+    with terminal_only_progress():  # the GGUF conversion's bar: on a terminal only
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
     model.to(device).eval()
     source = str(Path(folder) / gguf) if gguf else folder
     return LoadedModel(model, tokenizer, name, source, torch_dtype)
+
+
+@contextmanager
+def terminal_only_progress() -> Iterator[None]:
+    """transformers' GGUF conversion draws a tqdm bar whatever its progress setting; within the
+    block it draws only where stderr is a terminal (tqdm's ``disable=None``), so logs stay free
+    of carriage-return lines."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=None)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
+def checkpoint_dtype(folder: str, **extra) -> torch.dtype | None:
+    """The dtype the checkpoint's config declares, or None."""
+    from transformers import AutoConfig
+
+    declared = getattr(AutoConfig.from_pretrained(folder, **extra), "dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) else None
 
 
 def _locate(name: str) -> tuple[str, str | None]:

@@ -113,11 +113,27 @@ def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto"
     many real tokens (beyond it: a clear error, nothing cached lost); by default it grows.
     """
     method = parse_method(method)  # a bad method string fails before the op is built
+    refuse_unsupported(model)
     cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model),
                        getattr(model, FOLDED, None), resolve(backend, model.device), max_batch,
                        max_tokens)
     use_kvmix_attention(model)
     return cache
+
+
+def refuse_unsupported(model: Any) -> None:
+    """Refuse, before anything runs, a model whose attention computes what kvmix's does not:
+    logit soft-capping (Gemma-2) and learned attention sinks (gpt-oss) — never ignored."""
+    config = getattr(model.config, "get_text_config", lambda: model.config)()
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise ValueError(f"{type(model).__name__} caps attention logits "
+                         f"(attn_logit_softcapping={softcap}); kvmix's attention does not apply "
+                         "soft-capping, so its cache is refused rather than silently wrong")
+    if any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} has learned attention sinks (a per-head logit "
+                         "added to every softmax); kvmix's attention does not add them, so its "
+                         "cache is refused rather than silently wrong")
 
 
 @contextmanager

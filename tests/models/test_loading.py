@@ -1,0 +1,35 @@
+"""Loading: ``dtype="auto"`` follows the checkpoint on accelerators; the GGUF conversion's
+progress bar only draws on a terminal."""
+
+from __future__ import annotations
+
+import torch
+from conftest import tiny_llama
+
+from kvmix.models.loading import checkpoint_dtype, resolve_dtype, terminal_only_progress
+
+
+def test_auto_dtype_is_the_checkpoints_on_accelerators_and_float32_on_the_cpu(tmp_path):
+    model = tiny_llama().to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    declared = checkpoint_dtype(str(tmp_path))
+    assert declared == torch.bfloat16
+    assert resolve_dtype("auto", "cuda", declared) == torch.bfloat16  # not float16: overflow
+    assert resolve_dtype("auto", "cpu", declared) == torch.float32
+    assert resolve_dtype("auto", "cuda", None) == torch.float16  # nothing declared
+    assert resolve_dtype("bfloat16", "cpu") == torch.bfloat16
+
+
+def test_the_gguf_progress_bar_is_off_when_stderr_is_not_a_terminal():
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    plain = gguf_utils.tqdm
+    with terminal_only_progress():
+        bar = gguf_utils.tqdm(range(3))  # pytest captures stderr: not a terminal
+        assert bar.disable
+        bar.close()
+    assert gguf_utils.tqdm is plain
+    with open("/dev/null", "w") as sink:
+        drawn = plain(range(3), file=sink)
+        assert not drawn.disable  # as transformers draws it unpatched
+        drawn.close()
