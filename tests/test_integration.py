@@ -291,6 +291,26 @@ def test_harness_scores_continuations_through_the_cache(real_model, prose_ids):
     assert token_kl(full[1:], ours[1:]) > 1e-4  # the quantized history was read
 
 
+def test_lm_eval_builds_the_adapter_from_its_argument_string_with_its_device(real_model,
+                                                                             tmp_path):
+    """lm-eval's CLI path: ``create_from_arg_string`` with its own ``device`` and batch size
+    (once a TypeError: ``device`` given twice); the model loads on that device, in the dtype
+    the arguments name."""
+    pytest.importorskip("lm_eval")
+    from conftest import tiny_llama
+    from lm_eval.api.registry import get_model
+
+    import kvmix.evaluation.harness  # noqa: F401 - registers "kvmix"
+
+    tiny_llama(vocab_size=len(real_model.tokenizer)).save_pretrained(tmp_path)
+    real_model.tokenizer.save_pretrained(tmp_path)
+    lm = get_model("kvmix").create_from_arg_string(
+        f"pretrained={tmp_path},method=kivi2,dtype=bfloat16", {"device": "cpu", "batch_size": 1})
+    assert lm.method == "kivi2" and lm.device.type == "cpu"
+    assert lm.model.dtype == torch.bfloat16 and lm.model.device.type == "cpu"
+    assert lm.continuation_logprobs(list(range(5, 45)), 8).shape == (8, len(real_model.tokenizer))
+
+
 def test_eval_smoke_passkey_limit_one(real_model, tmp_path):
     pytest.importorskip("lm_eval")
     from kvmix.commands.harness import EvalConfig, run_eval

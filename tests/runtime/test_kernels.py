@@ -134,3 +134,90 @@ def test_the_op_checks_its_inputs():
     with pytest.raises(RuntimeError, match="the causal segment must hold exactly the new tokens"):
         torch.ops.kvmix.decode(query, 1.0, [keys], [keys], 1, 8, [], [], [], [], [],
                                None, None, None, None, 0, 0, None, 0, 0, None, None)
+
+
+def op_arguments(name: str) -> list:
+    """A valid call of ``kvmix::decode`` for one sequence of ``name`` holding sealed blocks:
+    [query, scale, float keys, float values, causal, group, *packed]."""
+    from helpers import feed, tokens
+
+    cache = make(name, backend="cpu")
+    feed(cache, 40, batch=1)
+    row = cache.layers[0].rows[0]
+    view = cache.method.kernel_view(row.blocks, 0, row.selection)
+    keys, values, queries = (t.float() for t in tokens(1, 1, 9))
+    floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values), (keys, values)]
+    return [queries[0].contiguous(), D**-0.5, [k.float().contiguous() for k, _ in floats],
+            [v.float().contiguous() for _, v in floats], 1, cache.method.group,
+            *cpu._packed_arguments(row, view)]
+
+
+def changed(arguments: list, at: int, value) -> list:
+    return [value if i == at else a for i, a in enumerate(arguments)]
+
+
+# positions in the op's argument list
+QUERY, KEYS, VALUES, GROUP, LENGTHS, PLANE_CODES, PLANE_BITS, PLANE_INDEX = 0, 2, 3, 5, 6, 7, 8, 9
+KEY_OFFSET, VALUE_CODES, VALUE_GROUP, VALUE_SCALE = 13, 17, 19, 20
+
+
+def bad_arguments(valid: list) -> dict[str, tuple[list, str]]:
+    """Each kind of bad argument: (the arguments with it, what the error must name)."""
+    k = valid[KEYS]
+    index = valid[PLANE_INDEX][0].clone()
+    index.view(-1)[0] = D  # a channel past the head
+    return {
+        "no KV heads": (changed(valid, KEYS, [x[:, :0] for x in k]), "KV heads"),
+        "plane lists of unequal length": (changed(valid, PLANE_BITS, valid[PLANE_BITS][:-1]),
+                                          "lists of equal length"),
+        "plane channel outside the head": (
+            changed(valid, PLANE_INDEX, [index, *valid[PLANE_INDEX][1:]]), "outside \\[0, D\\)"),
+        "value codes cut short": (changed(valid, VALUE_CODES, valid[VALUE_CODES][:, :-1]
+                                          .contiguous()), "value codes hold"),
+        "a block longer than a group": (changed(valid, LENGTHS, [99] * len(valid[LENGTHS])),
+                                        "0 to group tokens"),
+        "more lengths than blocks": (changed(valid, LENGTHS, valid[LENGTHS] * 2),
+                                     "more lengths than packed blocks"),
+        "zero token group": (changed(valid, GROUP, 0), "positive multiple of 8 tokens"),
+        "zero value group": (changed(valid, VALUE_GROUP, 0), "positive multiple of 8 channels"),
+        "value scales of another shape": (changed(valid, VALUE_SCALE, valid[VALUE_SCALE][:-1]
+                                                  .contiguous()), "scale and min must hold"),
+        "key offset of another shape": (changed(valid, KEY_OFFSET, valid[KEY_OFFSET][:, :-1]
+                                                .contiguous()), "key offset must be"),
+        "query of another rank": (changed(valid, QUERY, valid[QUERY][0]), "query must be"),
+    }
+
+
+def test_the_op_refuses_every_kind_of_bad_argument_with_a_message_naming_it(built):
+    """Shapes of packed tensors, list lengths, held lengths, channel indices, zero sizes: an
+    error naming the argument, never a crash or a wrong result."""
+    valid = op_arguments("kivi2")
+    assert valid[LENGTHS] and valid[PLANE_CODES]  # blocks and channel planes are read
+    reference = torch.ops.kvmix.decode(*valid)
+    assert reference.isfinite().all()
+    for case, (arguments, message) in bad_arguments(valid).items():
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.kvmix.decode(*arguments)
+            pytest.fail(f"accepted: {case}")
+
+
+def test_the_batched_op_refuses_a_table_outside_the_pool(built):
+    from helpers import feed
+
+    from kvmix.runtime.kernels import batch
+
+    cache = make("kivi2", backend="cpu")
+    feed(cache, 40, batch=2)
+    store = cache.layers[0].store
+    table, query = batch.table(store), torch.randn(2, HQ, D)
+    pool = cpu._pool_arguments(batch.pool_view(store))
+    slots = [store.keys.float().contiguous(), store.values.float().contiguous()]
+    head = [query, D**-0.5, *slots, batch.spans(store), cache.method.group]
+    assert torch.ops.kvmix.decode_batch(*head, table.pages, table.held, table.counts,
+                                        *pool).isfinite().all()
+    for pages, held, counts, message in [
+            (table.pages + 10**6, table.held, table.counts, "names a page outside the pool"),
+            (table.pages, -table.held, table.counts, "or more tokens than a group"),
+            (table.pages, table.held, table.counts + 99, "counts must be within")]:
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.kvmix.decode_batch(*head, pages, held, counts, *pool)

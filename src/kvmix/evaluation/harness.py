@@ -36,12 +36,18 @@ class KVMixLM(HFLM):
     """HFLM whose every request runs over a fresh kvmix cache of ``method``."""
 
     def __init__(self, pretrained: str | LoadedModel = DEFAULT_MODEL, method: str = "full",
-                 backend: str = "auto", chunk: int = 16, dtype: str = "auto", **kwargs):
+                 backend: str = "auto", chunk: int = 16, dtype: str = "auto",
+                 device: str | None = None, **kwargs):
         if not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"chunk={chunk!r} is invalid; expected an integer >= 1")
         parse_method(method)
-        loaded = pretrained if isinstance(pretrained, LoadedModel) else load_model(
-            pretrained, dtype)
+        # lm-eval passes its --device here: the model loads there (a loaded one moves there)
+        if isinstance(pretrained, LoadedModel):
+            loaded = pretrained
+            if device is not None:
+                loaded.model.to(device)
+        else:
+            loaded = load_model(pretrained, dtype, device or "cpu")
         runner = prepare_model(loaded.model, method)
         make_cache(runner, method, backend)  # the method binds to the model before any work
         kwargs = {"batch_size": 1, "max_length": max_positions(runner), **kwargs}

@@ -648,11 +648,22 @@ bool valid_bits(int64_t bits) {
   return bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8;
 }
 
+// Per-token groups of `group` channels: codes [P, bytes per block] holding H × G tokens × J
+// groups rows, scale (and min) [P, H, G, J] float16.
 Stats token_groups(const Tensor& codes, const Tensor& scale, const std::optional<Tensor>& minimum,
-                   int64_t bits, int64_t group, int64_t dim, const char* what) {
+                   int64_t bits, int64_t group, int64_t dim, int64_t heads, int64_t tokens,
+                   const char* what) {
   TORCH_CHECK(valid_bits(bits), "kvmix::decode: ", what, " bits must be 1, 2, 3, 4 or 8");
-  TORCH_CHECK(group % 8 == 0 && dim % group == 0, "kvmix::decode: ", what,
-              " groups must be a multiple of 8 channels dividing the head dim");
+  TORCH_CHECK(group > 0 && group % 8 == 0 && dim % group == 0, "kvmix::decode: ", what,
+              " groups must be a positive multiple of 8 channels dividing the head dim");
+  TORCH_CHECK(codes.dim() == 2, "kvmix::decode: ", what, " codes must be [pages, bytes]");
+  const int64_t rows = heads * tokens * (dim / group), pages = codes.size(0);
+  TORCH_CHECK(codes.size(1) >= rows * row_bytes(group, int(bits)), "kvmix::decode: ", what,
+              " codes hold ", codes.size(1), " bytes per page; ", rows, " rows of ", group,
+              " ", bits, "-bit codes need ", rows * row_bytes(group, int(bits)));
+  TORCH_CHECK(scale.numel() == pages * rows &&
+                  (!minimum.has_value() || minimum->numel() == pages * rows),
+              "kvmix::decode: ", what, " scale and min must hold ", rows, " values per page");
   return {data<uint8_t>(codes, "codes"), codes.size(-1), data<at::Half>(scale, "scale"),
           minimum.has_value() ? data<at::Half>(*minimum, "min") : nullptr, int(bits), group};
 }
@@ -669,34 +680,60 @@ struct PackedArgs {
   const std::optional<Tensor>&value_scale, &value_min;
 };
 
-Packed packed_layout(const PackedArgs& a, int64_t group, int64_t dim) {
+// Channel planes: codes [P, bytes per block] holding H × C channel rows of G codes; index and
+// multiplier [H, C] or [1 or sequences, H, C], index in [0, D).
+Plane channel_plane(const Tensor& codes, int64_t bits, const Tensor& index, const Tensor& mult,
+                    int64_t group, int64_t heads, int64_t dim, int64_t pages, int64_t rows) {
+  check(valid_bits(bits), "plane bits must be 1, 2, 3, 4 or 8");
+  check((index.dim() == 2 || (index.dim() == 3 && (index.size(0) == 1 || index.size(0) == rows))) &&
+            index.size(-2) == heads && mult.sizes() == index.sizes(),
+        "plane index and mult must be [H, C] or [1 or sequences, H, C] of equal shape");
+  const int64_t C = index.size(-1);
+  check(codes.dim() == 2 && codes.size(0) == pages, "plane codes must be [pages, bytes]");
+  check(codes.size(1) >= heads * C * row_bytes(group, int(bits)),
+        "plane codes hold fewer bytes per page than H x C rows of a group's codes");
+  const int64_t* channels = data<int64_t>(index, "plane index");
+  for (int64_t i = 0; i < index.numel(); ++i)
+    check(channels[i] >= 0 && channels[i] < dim, "plane index names a channel outside [0, D)");
+  return {data<uint8_t>(codes, "plane codes"), codes.size(-1), C, int(bits), channels,
+          data<float>(mult, "plane mult"), plane_for(group, int(bits))};
+}
+
+// The pool's (or one sequence's) packed blocks, checked against H KV heads of D channels and
+// `rows` sequences of per-sequence tensors; every packed tensor holds the same pages.
+Packed packed_layout(const PackedArgs& a, int64_t group, int64_t heads, int64_t dim,
+                     int64_t rows) {
   Packed pk;
   pk.group = group;
-  check(group % 8 == 0, "groups must be a multiple of 8 tokens");
+  check(group > 0 && group % 8 == 0, "groups must be a positive multiple of 8 tokens");
   check(a.value_codes.has_value() && a.value_scale.has_value(), "packed blocks need value codes");
   pk.values = token_groups(*a.value_codes, *a.value_scale, a.value_min, a.value_bits,
-                           a.value_group, dim, "value");
+                           a.value_group, dim, heads, group, "value");
   pk.value_kernel = values_for(a.value_group, int(a.value_bits));
+  const int64_t pages = a.value_codes->size(0);
   if (!a.plane_codes.empty()) {
     pk.key_mode = 1;
+    const size_t n = a.plane_codes.size();
+    check(a.plane_bits.size() == n && a.plane_index.size() == n && a.plane_mult.size() == n,
+          "plane codes, bits, index and mult must be lists of equal length");
     check(a.key_scale.has_value() && a.key_min.has_value() && a.key_offset.has_value(),
           "channel planes need key scale, min and offset");
+    check(a.key_scale->numel() == pages * heads * dim && a.key_min->numel() == pages * heads * dim,
+          "key scale and min must be [pages, H, D]");
+    check(a.key_offset->numel() == heads * dim || a.key_offset->numel() == rows * heads * dim,
+          "key offset must be [1 or sequences, H, D]");
     pk.key_scale = data<at::Half>(*a.key_scale, "key scale");
     pk.key_min = data<at::Half>(*a.key_min, "key min");
     pk.key_offset = data<float>(*a.key_offset, "key offset");
-    for (size_t i = 0; i < a.plane_codes.size(); ++i) {
-      const int bits = int(a.plane_bits[i]);
-      check(valid_bits(bits), "plane bits must be 1, 2, 3, 4 or 8");
-      pk.planes.push_back({data<uint8_t>(a.plane_codes[i], "plane codes"),
-                           a.plane_codes[i].size(-1), a.plane_index[i].size(-1), bits,
-                           data<int64_t>(a.plane_index[i], "plane index"),
-                           data<float>(a.plane_mult[i], "plane mult"), plane_for(group, bits)});
-    }
+    for (size_t i = 0; i < n; ++i)
+      pk.planes.push_back(channel_plane(a.plane_codes[i], a.plane_bits[i], a.plane_index[i],
+                                        a.plane_mult[i], group, heads, dim, pages, rows));
   } else {
     check(a.key_codes.has_value() && a.key_scale.has_value(), "packed keys are missing");
+    check(a.key_codes->size(0) == pages, "key and value codes must hold the same pages");
     pk.key_mode = 2;
     pk.keys = token_groups(*a.key_codes, *a.key_scale, a.key_min, a.key_bits, a.key_group, dim,
-                           "key");
+                           heads, group, "key");
     pk.key_dots = dots_for(a.key_group, int(a.key_bits));
   }
   return pk;
@@ -708,6 +745,8 @@ void set_heads(Problem& p, int64_t heads, int64_t kv_heads, int64_t queries, int
   p.kv_heads = kv_heads;
   p.queries = queries;
   p.dim = dim;
+  check(heads > 0 && kv_heads > 0 && dim > 0 && queries > 0,
+        "heads, KV heads, head dim and queries must be positive");
   check(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   p.group_size = heads / kv_heads;
   p.rows = p.group_size * queries;
@@ -791,6 +830,7 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [Hq, q, D] float32");
   check(float_keys.size() == float_values.size() && !float_keys.empty(),
         "float keys and values must pair up");
+  check(float_keys[0].dim() == 4, "float segments must be [n, H, t, D]");
   Problem p;
   set_heads(p, query.size(0), float_keys[0].size(1), query.size(1), query.size(2),
             data<float>(query, "query"), scale);
@@ -809,8 +849,11 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
     const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
                           key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
                           value_group, value_scale, value_min};
-    p.packed = packed_layout(args, group, p.dim);
+    p.packed = packed_layout(args, group, p.kv_heads, p.dim, 1);
     p.packed.blocks = int64_t(lengths.size());
+    check(p.packed.blocks <= value_codes->size(0), "more lengths than packed blocks");
+    for (const int64_t length : lengths)
+      check(length >= 0 && length <= group, "each block holds 0 to group tokens");
     p.packed.lengths = lengths.data();
   }
   return solve({p}, query.options())[0];
@@ -837,6 +880,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
   check(S > 0, "the batch is empty");
+  check(slot_keys.dim() == 4, "slots must be [S, H, T, D]");
   check(slot_keys.dim() == 4 && slot_keys.size(0) == S && slot_keys.size(3) == D &&
             slot_keys.scalar_type() == at::kFloat && slot_keys.sizes() == slot_values.sizes(),
         "slots must be [S, H, T, D] float32 keys and values of equal shape");
@@ -860,7 +904,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
                           key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
                           value_group, value_scale, value_min};
-    pool = packed_layout(args, group, D);
+    pool = packed_layout(args, group, H, D, S);
   }
   std::vector<Problem> problems(S);
   for (int64_t s = 0; s < S; ++s) {
@@ -877,7 +921,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     const int64_t* ids = data<int64_t>(pages, "pages") + s * M;
     const int64_t* tokens = data<int64_t>(held, "held") + s * M;
     for (int64_t n = 0; floats && n < count[s]; ++n) {  // a float page is a float segment
-      check(ids[n] >= 0 && ids[n] < page_keys->size(0) && tokens[n] <= group,
+      check(ids[n] >= 0 && ids[n] < page_keys->size(0) && tokens[n] >= 0 && tokens[n] <= group,
             "the block table names a page outside the pool, or more tokens than a group");
       const int64_t at = ids[n] * H * group * D;
       p.segments.push_back({data<float>(*page_keys, "page keys") + at,
@@ -886,7 +930,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (!packed || count[s] == 0) continue;
     for (int64_t n = 0; n < count[s]; ++n)
-      check(ids[n] >= 0 && ids[n] < value_codes->size(0) && tokens[n] <= group,
+      check(ids[n] >= 0 && ids[n] < value_codes->size(0) && tokens[n] >= 0 &&
+                tokens[n] <= group,
             "the block table names a page outside the pool, or more tokens than a group");
     p.packed = pool;
     p.packed.blocks = count[s];
