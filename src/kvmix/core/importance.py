@@ -71,6 +71,13 @@ def top_mask(score: torch.Tensor, count: int) -> torch.Tensor:
     return torch.zeros_like(score, dtype=torch.bool).scatter(-1, order, True)
 
 
+def mask_index(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """bool [..., C] with exactly ``count`` True per row -> their indices [..., count], ascending.
+    A stable sort, not ``nonzero``: no host sync, and it runs on any device (meta included)."""
+    order = (~mask).to(torch.uint8).sort(dim=-1, stable=True).indices  # True entries first
+    return order[..., :count].sort(dim=-1).values
+
+
 def pair_to_channels(mask: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
     """[..., P] pair mask -> [..., D] channel mask (both channels of a selected pair)."""
     channels = mask.new_zeros(*mask.shape[:-1], pairs.numel())

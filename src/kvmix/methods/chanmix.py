@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.importance import group_mean, scores, top_mask
+from kvmix.core.importance import group_mean, mask_index, scores, top_mask
 from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
@@ -136,8 +136,7 @@ class ChanMix(PerTokenValues):
         """Per class, its channels' indices: [B, H, count_c] (sorted)."""
         heads, dim = self.spec.n_kv_heads, self.spec.head_dim
         classes = unpack(selection.ids, 2, heads * dim, dim).view(batch, heads, dim)
-        return [(classes == c).nonzero()[:, -1].view(batch, heads, n)
-                for c, n in enumerate(self.counts(dim))]
+        return [mask_index(classes == c, n) for c, n in enumerate(self.counts(dim))]
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[ClassKeys, Any]:

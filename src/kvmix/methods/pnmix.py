@@ -33,6 +33,7 @@ from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
     group_mean,
+    mask_index,
     pair_norms,
     pair_to_channels,
     scores,
@@ -210,7 +211,7 @@ class PNMix(PerTokenValues):
             chosen = chosen.view(batch, heads, -1)
             if selection.units < dim:
                 chosen = pair_to_channels(chosen.bool(), self.spec.pairs)
-        return chosen.bool().nonzero()[:, -1].view(batch, heads, self.high_channels(dim))
+        return mask_index(chosen.bool(), self.high_channels(dim))  # [B, H, k]
 
     # -- storage -----------------------------------------------------------------------------
 

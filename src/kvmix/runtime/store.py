@@ -380,8 +380,10 @@ class RowView:
 
 def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
     """An error naming the layer if any key or value is inf or NaN. One fused test per call
-    (a sum is non-finite when any element is, or on overflow, then checked precisely)."""
-    if torch.isfinite(keys.sum(dtype=torch.float32) + values.sum(dtype=torch.float32)):
+    (a sum is non-finite when any element is, or on overflow, then checked precisely). Meta
+    tensors hold no values: nothing to check."""
+    if keys.is_meta or torch.isfinite(keys.sum(dtype=torch.float32) +
+                                      values.sum(dtype=torch.float32)):
         return
     for name, x in (("keys", keys), ("values", values)):
         if not torch.isfinite(x).all():
@@ -399,8 +401,11 @@ def peak(keys: torch.Tensor, values: torch.Tensor, running: torch.Tensor | None
 
 
 def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
-    """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored."""
+    """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored (meta
+    tensors hold no values to check)."""
     for name, x in (("keys", keys), ("values", values)):
+        if x.is_meta:
+            continue
         peak = x.abs().amax().item()
         if peak > FLOAT16_MAX:
             raise ValueError(f"{name} in layer {layer} reach {peak:.3g}, beyond the float16 range "
