@@ -72,6 +72,13 @@ def test_the_op_bench_times_synthetic_caches_beside_sdpa_and_the_float_kernel(tm
         assert rows["sdpa", batch]["nbytes"] is None
         full, kivi = rows["full", batch]["nbytes"], rows["kivi2", batch]["nbytes"]
         assert full >= batch * 2 * 1200 * 2 * 32 * 4 and kivi < full / 4
-        assert all(r["us_per_step"] > 0 and r["gb_per_s"] > 0 for r in results["rows"])
-        assert rows["kivi2", batch]["encode_us"] > 0
+        float_bytes = batch * 2 * 1200 * 2 * 32 * 4
+        for name in ("sdpa", "full", "kivi2", "pnmix1"):  # the bytes a step reads, over its time
+            row = rows[name, batch]
+            read = float_bytes if name == "sdpa" else row["nbytes"]
+            assert row["gb_per_s"] == pytest.approx(read / row["us_per_step"] / 1e3)
+            assert row["vs_sdpa"] == pytest.approx(rows["sdpa", batch]["us_per_step"] /
+                                                   row["us_per_step"])
+        assert rows["sdpa", batch]["encode_us"] is None  # nothing to encode
+        assert isinstance(rows["kivi2", batch]["encode_us"], float)
     assert rows["kivi2", 2]["nbytes"] > 1.9 * rows["kivi2", 1]["nbytes"]

@@ -121,7 +121,6 @@ def test_rotation_is_llama_cpps_hadamard_on_each_quantized_side():
     kept = map_tensors(Blocks(*plain.encode(keys, values, 0, None)), lambda t: t[:, None])
     unrotated = plain.decode(kept, 0, None, torch.float32)[0][:, 0]
     assert (k - keys).pow(2).mean() < (unrotated - keys).pow(2).mean()  # outliers spread
-    assert method.static_nbytes(spec) == 4 * dim * dim and plain.static_nbytes(spec) == 0
 
 
 def fp8_roundtrip(x: torch.Tensor, **options) -> torch.Tensor:
@@ -355,7 +354,8 @@ def test_int4_per_token_head_hides_the_zero_point_in_the_scale_and_rotates_back(
     """vLLM's randomized Hadamard transform (unnormalized, with its ±1 signs) before an
     asymmetric 4-bit code per token and head; the zero point sits in the scale's low 4 mantissa
     bits and the scale is read back without them."""
-    from kvmix.methods.pertoken import dequantize, quantize, rht, rht_signs, sylvester
+    from kvmix.core.transforms import hadamard
+    from kvmix.methods.pertoken import dequantize, quantize, rht, rht_signs
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 2, 1, 64, generator=g)
@@ -363,7 +363,7 @@ def test_int4_per_token_head_hides_the_zero_point_in_the_scale_and_rotates_back(
     signs = rht_signs(64)
     assert set(signs.tolist()) == {-1.0, 1.0}
     rotated = rht(x, signs)
-    torch.testing.assert_close(rotated, (x * signs) @ sylvester(64))
+    torch.testing.assert_close(rotated, (x * signs) @ hadamard(64) * 8)  # unnormalized
     torch.testing.assert_close(rht(rotated, signs, inverse=True), x)  # H·H = 64·I
     stored = quantize(rotated, "int4_per_token_head")
     bits = stored.scale.view(torch.int32)
@@ -437,7 +437,7 @@ def test_rotation_follows_the_engines_head_size_rule(dim, key_block, value_block
     method = parse_method("ggml:k=q8_0,v=q4_0,key_order=model")
     spec = ModelSpec(1, 1, 1, dim)
     method.bind(spec)
-    assert method.static_nbytes(spec) == 4 * (key_block**2 + value_block**2)
+    assert method.rotation == {"k": key_block, "v": value_block}
     values = torch.randn(1, 1, 1, dim, generator=torch.Generator().manual_seed(dim))
     stored = map_tensors(Blocks(*method.encode(values, values, 0, None)), lambda t: t[:, None])
     got = method.decode(stored, 0, None, torch.float32)[1][:, 0]
@@ -447,3 +447,19 @@ def test_rotation_follows_the_engines_head_size_rule(dim, key_block, value_block
     else:
         expected = engine(values, "q4_0")
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_the_butterfly_is_the_hadamard_matrix_and_ignores_the_batch_around_a_row():
+    """ggml and pertoken rotate with additions only: a row's rotation is bit for bit the same
+    alone or in any batch (a matmul's rounding depends on its shape: that made a sequence's
+    codes, at group 1, depend on the batch it decoded in)."""
+    from kvmix.core.transforms import hadamard, walsh_hadamard
+
+    x = torch.randn(5, 3, 128, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(walsh_hadamard(x, 128), x @ hadamard(128) * 128**0.5,
+                               rtol=1e-5, atol=1e-4)
+    blocks = torch.block_diag(hadamard(64), hadamard(64)) * 8
+    torch.testing.assert_close(walsh_hadamard(x, 64), x @ blocks, rtol=1e-5, atol=1e-4)
+    assert torch.equal(walsh_hadamard(x, 64)[2:3, 1:2], walsh_hadamard(x[2:3, 1:2], 64))
+    with pytest.raises(ValueError, match="power of two dividing 128; got 48"):
+        walsh_hadamard(x, 48)

@@ -26,11 +26,13 @@ from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, drop_gguf_marker, l
 from kvmix.runtime.folding import prepare_model
 
 
-def run_export(transforms: str, transform: str, model_out: str,
-               loaded: LoadedModel) -> dict[str, Path]:
-    """Save the folded model and the right-multipliers (see the module docstring)."""
+def run_export(transforms: str, transform: str, model_out: str, loaded: LoadedModel,
+               inplace: bool = False) -> dict[str, Path]:
+    """Save the folded model and the right-multipliers (see the module docstring); ``inplace``
+    folds ``loaded``'s model itself (the CLI's, loaded for this export only) instead of a
+    copy."""
     method = parse_method(f"wush:transforms={transforms},transform={transform}")
-    folded = prepare_model(loaded.model, method)
+    folded = prepare_model(loaded.model, method, inplace=inplace)
     out = Path(model_out)
     out.mkdir(parents=True, exist_ok=True)
     drop_gguf_marker(folded)
@@ -111,4 +113,5 @@ def _run(args) -> None:
                                   eval_tokens=args.eval_tokens, measure=not args.no_measure,
                                   engine_version=args.engine_version))
     else:
-        run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype))
+        run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype),
+                   inplace=True)

@@ -21,6 +21,24 @@ def hadamard(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return (matrix / n**0.5).to(dtype)
 
 
+def walsh_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x [..., D] times the unnormalized Sylvester Hadamard matrix of each ``block`` channels
+    (H·H = block·I), by the butterfly: additions only, so each row's result is the same whatever
+    the batch around it (a matmul's rounding depends on its shape)."""
+    if block < 1 or block & (block - 1) or x.shape[-1] % block:
+        raise ValueError(f"a Hadamard block must be a power of two dividing {x.shape[-1]}; "
+                         f"got {block}")
+    shape = x.shape
+    x = x.reshape(-1, block)
+    h = 1
+    while h < block:
+        pairs = x.view(-1, block // (2 * h), 2, h)
+        x = torch.stack([pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]],
+                        dim=2).view(-1, block)
+        h *= 2
+    return x.view(shape)
+
+
 KINDS = ("identity", "hadamard", "wus", "wush")
 
 

@@ -44,7 +44,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.core.packing import pack, unpack
-from kvmix.core.transforms import hadamard
+from kvmix.core.transforms import walsh_hadamard
 from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice, require_pairs
 
@@ -181,9 +181,7 @@ class Ggml(Method):
         # the engine's channel of each stored key channel (a view of the model's pairs), or None
         pairs = self.key_order == "pairs" and self.k != "f16"
         self.order = spec.pairs.flatten() if pairs else None
-        # each side's block Hadamard [b, b], or None where the engine keeps the side unrotated
-        self.rotation = {side: hadamard(block) if block else None
-                         for side, block in self._blocks(spec).items()}
+        self.rotation = self._blocks(spec)  # each side's Hadamard block (0: not rotated)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[Any, Any]:
@@ -210,11 +208,12 @@ class Ggml(Method):
         return x.index_select(-1, order.to(x.device))
 
     def _rotated(self, x: torch.Tensor, side: str) -> torch.Tensor:
-        """x·H over each block for a side the engine rotates (H = H⁻¹: also the way back)."""
-        h = self.rotation[side]
-        if h is None:
+        """x·H over each block for a side the engine rotates (H normalized, H = H⁻¹: also the
+        way back); a butterfly, so a sequence's codes do not depend on its batch."""
+        block = self.rotation[side]
+        if not block:
             return x
-        return (x.float().unflatten(-1, (-1, h.shape[0])) @ h.to(x.device)).flatten(-2)
+        return walsh_hadamard(x.float(), block) * block**-0.5
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +224,6 @@ class Ggml(Method):
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return format_bits(self.k), format_bits(self.v)
-
-    def static_tensors(self) -> list[torch.Tensor]:
-        return [h for h in self.rotation.values() if h is not None]
-
-    def static_nbytes(self, spec: ModelSpec) -> int:
-        return sum(4 * block**2 for block in self._blocks(spec).values())  # float32 H per side
 
     def _blocks(self, spec: ModelSpec) -> dict[str, int]:
         """Per side, the engine's rotation block (0: not rotated): a quantized side of a head

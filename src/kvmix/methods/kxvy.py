@@ -32,7 +32,7 @@ from kvmix.core.quantizers import (
     quantize,
     quantize_per_token,
 )
-from kvmix.core.transforms import hadamard
+from kvmix.core.transforms import hadamard, walsh_hadamard
 from kvmix.methods import register
 from kvmix.methods.backends import (
     check_backend,
@@ -115,7 +115,7 @@ class KxVy(Method):
         self.spec = spec
         if self.budget is not None:
             self._allocate(spec)
-        self.rotation = hadamard(spec.head_dim) if self.rotate in ("keys", "both") else None
+        self.rotates_keys = self.rotate in ("keys", "both")
         if self.rotate in ("values", "both") and spec.folded != VALUE_ROTATION:
             raise ValueError(f"rotate={self.rotate!r} needs the model with the value rotation "
                              "folded into W_V/W_O: use kvmix.prepare_model(model, method) "
@@ -148,7 +148,11 @@ class KxVy(Method):
         return rotation.expand(spec.n_layers, spec.n_kv_heads, -1, -1), VALUE_ROTATION
 
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
-        return keys if self.rotation is None else keys @ self.rotation.to(keys)
+        """The normalized Hadamard rotation (a butterfly: no matrix to hold or move)."""
+        if not self.rotates_keys:
+            return keys
+        dim = keys.shape[-1]
+        return (walsh_hadamard(keys.float(), dim) * dim**-0.5).to(keys.dtype)
 
     def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
         return self.transform_keys(queries, layer)
@@ -172,11 +176,6 @@ class KxVy(Method):
             values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         return keys, values
 
-    def static_tensors(self) -> list[torch.Tensor]:
-        return [] if self.rotation is None else [self.rotation]
-
-    def static_nbytes(self, spec: ModelSpec) -> int:
-        return 4 * spec.head_dim**2 if self.rotate in ("keys", "both") else 0  # float32 H
 
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         if self.backend != "native":

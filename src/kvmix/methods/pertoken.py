@@ -30,6 +30,7 @@ from typing import ClassVar
 import torch
 
 from kvmix.core.packing import pack, unpack
+from kvmix.core.transforms import walsh_hadamard
 from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice
 
@@ -60,21 +61,13 @@ def rht_signs(block: int) -> torch.Tensor:
     return 2.0 * torch.bernoulli(torch.full((block,), 0.5), generator=generator) - 1.0
 
 
-def sylvester(block: int) -> torch.Tensor:
-    """The unnormalized Hadamard matrix [block, block] (H·H = block·I), float32."""
-    matrix = torch.ones(1, 1)
-    while matrix.shape[0] < block:
-        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)])
-    return matrix
-
-
 def rht(x: torch.Tensor, signs: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """x [..., D] in blocks of len(signs): H·(d₁ ⊙ x), or its inverse d₁ ⊙ (H·x)/b."""
     block = signs.numel()
-    h, signs = sylvester(block).to(x.device), signs.to(x.device)
-    x = x.float().unflatten(-1, (-1, block))
-    y = (x @ h) * signs / block if inverse else (x * signs) @ h
-    return y.flatten(-2)
+    x, signs = x.float(), signs.to(x.device).repeat(x.shape[-1] // block)
+    if inverse:
+        return walsh_hadamard(x, block) * signs / block
+    return walsh_hadamard(x * signs, block)
 
 
 def _round_away(x: torch.Tensor) -> torch.Tensor:

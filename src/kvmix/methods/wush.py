@@ -100,8 +100,9 @@ class Wush(Method):
                              "the model it returns")
         self.spec = spec
         keys = self.transform_set().keys[self.transform]  # [L, H, D, D] float64
-        self.key_right = keys.transpose(-1, -2).float()  # k' = k @ T_kᵀ
-        self.query_right = torch.linalg.inv(keys).float()  # q' = q @ T_k^{-1}
+        # per layer [H, D, D] float32, moved to the layer's device at its first use
+        self.key_right = [m.clone() for m in keys.transpose(-1, -2).float()]  # k' = k @ T_kᵀ
+        self.query_right = [m.clone() for m in torch.linalg.inv(keys).float()]  # q' = q T_k⁻¹
 
     @property
     def fold_id(self) -> str:
@@ -112,7 +113,7 @@ class Wush(Method):
         return self.transform_set().values[self.transform], self.fold_id
 
     def static_tensors(self) -> list[torch.Tensor]:
-        return [self.key_right, self.query_right]
+        return [*self.key_right, *self.query_right]
 
     def static_nbytes(self, spec: ModelSpec) -> int:
         return 2 * 4 * spec.n_layers * spec.n_kv_heads * spec.head_dim**2  # two float32 [L,H,D,D]
@@ -130,12 +131,13 @@ class Wush(Method):
         return "bits + 16/block (quest) or + 32/block (percentile), for keys and values"
 
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
-        return torch.einsum("bhtd,hde->bhte", keys, self.key_right[layer].to(keys))
+        right = _placed(self.key_right, layer, keys.device)  # [H, D, D]
+        return torch.einsum("bhtd,hde->bhte", keys.float(), right).to(keys.dtype)
 
     def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
-        right = self.query_right[layer].to(queries)  # [H, D, D]
+        right = _placed(self.query_right, layer, queries.device)  # [H, D, D]
         right = right.repeat_interleave(queries.shape[1] // right.shape[0], 0)
-        return torch.einsum("bhtd,hde->bhte", queries, right)
+        return torch.einsum("bhtd,hde->bhte", queries.float(), right).to(queries.dtype)
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[Any, Any]:
@@ -164,3 +166,11 @@ class Wush(Method):
         if self.quantizer == "quest":
             return quest_dequantize(stored, dtype).flatten(-2)
         return dequantize(stored, dtype).flatten(-2)
+
+
+def _placed(matrices: list[torch.Tensor], layer: int, device: torch.device) -> torch.Tensor:
+    """A layer's matrix on the device of its layer: moved there once, at its first use, not
+    copied at every step."""
+    if matrices[layer].device != device:
+        matrices[layer] = matrices[layer].to(device)
+    return matrices[layer]

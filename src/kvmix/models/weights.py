@@ -8,6 +8,7 @@ Biases are reported beside the weights, not folded into the norms.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,17 @@ def attention_modules(model: Any) -> list[torch.nn.Module]:
 
 
 def kv_weights(model: Any) -> list[KVWeights]:
+    return list(iter_kv_weights(model))
+
+
+def iter_kv_weights(model: Any) -> Iterator[KVWeights]:
+    """Each layer's projections in turn, as float32 copies: one layer's alive at a time when
+    consumed as it goes (``squared_frobenius``)."""
     config = model.config.get_text_config(decoder=True)
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return [_read(m, heads, kv_heads, head_dim) for m in attention_modules(model)]
+    return (_read(m, heads, kv_heads, head_dim) for m in attention_modules(model))
 
 
 def _read(module: torch.nn.Module, heads: int, kv_heads: int, dim: int) -> KVWeights:
@@ -104,7 +111,7 @@ def _bias(bias: torch.Tensor | None, kv_heads: int) -> torch.Tensor | None:
     return None if bias is None else bias.detach().float().view(kv_heads, -1)
 
 
-def squared_frobenius(weights: list[KVWeights]) -> torch.Tensor:
+def squared_frobenius(weights: Iterable[KVWeights]) -> torch.Tensor:
     """[L, 2] float64: ‖W_K,l‖²_F and ‖W_V,l‖²_F, the weights of the bit-allocation proxy."""
     return torch.tensor([[w.keys.double().pow(2).sum().item(),
                           w.values.double().pow(2).sum().item()] for w in weights],

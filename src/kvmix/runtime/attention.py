@@ -7,6 +7,7 @@ residual) and commit the new tokens. For any other layer or cache it is plain SD
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,7 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvmix.methods import Method, parse_method
 from kvmix.models.rope import rope_pairs
-from kvmix.models.weights import kv_weights, squared_frobenius
+from kvmix.models.weights import attention_modules, iter_kv_weights, squared_frobenius
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.kernels import resolve
 from kvmix.runtime.layer import take_pending
@@ -114,9 +115,9 @@ def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto"
     """
     method = parse_method(method)  # a bad method string fails before the op is built
     refuse_unsupported(model)
-    cache = KVMixCache(method, model.config, rope_pairs(model), _kv_norms(model),
-                       getattr(model, FOLDED, None), resolve(backend, model.device), max_batch,
-                       max_tokens)
+    pairs, norms = model_facts(model)
+    cache = KVMixCache(method, model.config, pairs, norms, getattr(model, FOLDED, None),
+                       resolve(backend, model.device), max_batch, max_tokens)
     use_kvmix_attention(model)
     return cache
 
@@ -148,9 +149,33 @@ def observe_attention(model: Any, observer: Observer) -> Iterator[None]:
         _OBSERVERS.remove(observer)
 
 
-def _kv_norms(model: Any) -> torch.Tensor | None:
-    """Squared Frobenius norms of W_K, W_V per layer, or None where they cannot be read."""
+def model_facts(model: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The model's RoPE pairs and K/V weight norms, computed once per model and reused by every
+    ``make_cache`` (again only when a projection weight changed in place, e.g. by folding)."""
+    versions = _weight_versions(model)
+    cached = _FACTS.get(model)
+    if cached is None or cached[0] != versions:
+        cached = (versions, rope_pairs(model), _kv_norms(model))
+        _FACTS[model] = cached
+    return cached[1], cached[2]
+
+
+_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _weight_versions(model: Any) -> tuple[int, ...]:
+    """The in-place version counters of the attention projections' weights."""
     try:
-        return squared_frobenius(kv_weights(model))
+        modules = attention_modules(model)
+    except ValueError:
+        return ()
+    return tuple(p._version for m in modules for p in m.parameters(recurse=True))
+
+
+def _kv_norms(model: Any) -> torch.Tensor | None:
+    """Squared Frobenius norms of W_K, W_V per layer (one layer's float32 copy at a time), or
+    None where they cannot be read."""
+    try:
+        return squared_frobenius(iter_kv_weights(model))
     except ValueError:
         return None

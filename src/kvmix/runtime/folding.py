@@ -1,8 +1,11 @@
-"""Folding value transforms into the model's weights (SPEC §5), always on a copy.
+"""Folding value transforms into the model's weights (SPEC §5).
 
 ``v' = T_v v`` is produced by ``W_V ← T_v W_V`` (and its bias) and undone inside ``W_O`` for every
-query head of the group (``W_O,h ← W_O,h T_v^{-1}``), so values need no online work. The copy is
-marked with the transforms' checksum; the original model is never modified.
+query head of the group (``W_O,h ← W_O,h T_v^{-1}``), so values need no online work. By default
+on a copy (the original model is never modified: library users keep using it), made once per
+(model, transforms); ``inplace=True`` folds the model itself — no second copy of the weights (an
+8B model's 16 GB) — and marks it, for a model loaded to run this method only (the CLI's).
+Either way the folded model carries the transforms' checksum.
 """
 
 from __future__ import annotations
@@ -33,18 +36,38 @@ def fold_values(model: Any, values: torch.Tensor, fold_id: str) -> Any:
     return folded
 
 
-def prepare_model(model: Any, method: str | Method) -> Any:
+def prepare_model(model: Any, method: str | Method, inplace: bool = False) -> Any:
     """The model a method runs on: ``model`` itself, or (for methods that fold value
-    transforms) a folded copy, made once per (model, transforms) and reused."""
+    transforms) a folded copy, made once per (model, transforms) and reused — or, with
+    ``inplace``, ``model`` folded in place (once: folding it again for the same transforms is a
+    no-op, for other transforms an error)."""
     method = parse_method(method)
     needed = method.value_fold(model_spec(model.config))
     if needed is None:
         return model
     values, fold_id = needed
+    if inplace:
+        return _fold_in_place(model, values, fold_id)
     copies = _COPIES.setdefault(model, {})
     if fold_id not in copies:
         copies[fold_id] = fold_values(model, values, fold_id)
     return copies[fold_id]
+
+
+@torch.no_grad()
+def _fold_in_place(model: Any, values: torch.Tensor, fold_id: str) -> Any:
+    folded = getattr(model, FOLDED, None)
+    if folded == fold_id:
+        return model
+    if folded is not None:
+        raise ValueError(f"the model is already folded in place with transforms {folded}; "
+                         f"folding {fold_id} too would compound them: load the model again")
+    config = model.config.get_text_config(decoder=True)
+    group = config.num_attention_heads // values.shape[1]
+    for module, transform in zip(attention_modules(model), values, strict=True):
+        _fold_layer(module, transform, group)
+    setattr(model, FOLDED, fold_id)
+    return model
 
 
 def _fold_layer(module: torch.nn.Module, transform: torch.Tensor, group: int) -> None:
