@@ -51,8 +51,7 @@ def test_fewer_bits_cost_more_accuracy(real_model, prose_ids, full_scored):
     assert kl["kivi4"] < kl["kivi2"]
 
 
-@pytest.mark.parametrize("method", ["kivi2:residual=32", "pnmix1:residual=64,group=64",
-                                    "ggml-k8v4"])
+@pytest.mark.parametrize("method", ["kivi2:residual=32", "pnmix1:residual=64,group=64"])
 def test_a_padded_batch_on_the_real_model_generates_what_each_prompt_generates_alone(
         real_model, method):
     tok, model = real_model.tokenizer, real_model.model
