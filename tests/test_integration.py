@@ -319,10 +319,11 @@ def test_eval_smoke_passkey_limit_one(real_model, tmp_path):
     pytest.importorskip("lm_eval")
     from kvmix.commands.harness import EvalConfig, run_eval
 
-    rows = run_eval(EvalConfig(methods=["kivi2"], tasks=["kvmix_passkey"], limit=1,
+    rows = run_eval(EvalConfig(methods=["full", "kivi4"], tasks=["kvmix_passkey"], limit=1,
                                lengths=[256], out=str(tmp_path)), real_model)
-    assert [(r["task"], r["metric"]) for r in rows] == [("kvmix_passkey", "acc")]
-    assert rows[0]["value"] in (0.0, 1.0) and rows[0]["nbytes"] > 0
+    assert [(r["task"], r["metric"]) for r in rows] == [("kvmix_passkey", "acc")] * 2
+    full, kivi4 = rows  # 4 bits on 256 tokens (128 of them quantized) answers as the float cache
+    assert kivi4["value"] == full["value"] and 0 < kivi4["nbytes"] < full["nbytes"]
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "KVMixCache" not in json.dumps(saved) and saved["lm_eval_version"]
 

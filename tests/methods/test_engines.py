@@ -58,8 +58,7 @@ def test_the_cache_stores_keys_in_the_engines_channel_order():
     decoded_keys, decoded_values = row.decode_blocks(torch.float32)  # [1, H, 16, D]
     assert decoded_keys.shape[2] == 16  # every token in blocks: no float residual is left
     interleaved = PAIRS.flatten()  # llama.cpp's order for Llama GGUF files
-    expected = engine(keys[..., interleaved], "q4_0")[..., interleaved.argsort()]
-    assert torch.equal(decoded_keys, expected)
+    assert torch.equal(decoded_keys, engine(keys[..., interleaved], "q4_0"))  # its frame
     assert torch.equal(decoded_values, engine(values, "q5_1"))
 
 
@@ -76,11 +75,12 @@ def test_key_blocks_follow_the_engines_channel_order():
         method = parse_method(f"ggml:k=q4_0,v=f16,key_order={order},rotate=none,residual=4,"
                               "group=4")
         method.bind(ModelSpec(1, 2, 2, dim, pairs))
-        stored = map_tensors(Blocks(*method.encode(keys, keys, 0, None)), lambda t: t[:, None])
+        entered = method.transform_keys(keys, 0)  # the engine's frame
+        stored = map_tensors(Blocks(*method.encode(entered, keys, 0, None)),
+                             lambda t: t[:, None])
         decoded[order] = method.decode(stored, 0, None, torch.float32)[0][:, 0]
     interleaved = pairs.flatten()
-    assert torch.equal(decoded["pairs"], engine(keys[..., interleaved], "q4_0")[
-        ..., interleaved.argsort()])
+    assert torch.equal(decoded["pairs"], engine(keys[..., interleaved], "q4_0"))
     assert torch.equal(decoded["model"], engine(keys, "q4_0"))
     assert not torch.equal(decoded["pairs"], decoded["model"])
 
@@ -110,16 +110,24 @@ def test_rotation_is_llama_cpps_hadamard_on_each_quantized_side():
     method = parse_method("ggml:k=q4_0,v=f16,residual=4,group=4")
     spec = ModelSpec(1, 2, 2, dim, pairs)
     method.bind(spec)
-    stored = map_tensors(Blocks(*method.encode(keys, values, 0, None)), lambda t: t[:, None])
-    k, v = (x[:, 0] for x in method.decode(stored, 0, None, torch.float32))
+
+    def model_frame_keys(method) -> torch.Tensor:
+        """Keys through the cache (entering in the engine's frame), back in the model's."""
+        entered = method.transform_keys(keys, 0)
+        stored = map_tensors(Blocks(*method.encode(entered, values, 0, None)),
+                             lambda t: t[:, None])
+        k, v = (x[:, 0] for x in method.decode(stored, 0, None, torch.float32))
+        assert torch.equal(v, values.half().float())  # f16: never rotated
+        unrotated = k @ hadamard(dim) if method.rotation["k"] else k
+        return unrotated[..., order.argsort()]
+
     h, order = hadamard(dim), pairs.flatten()
+    k = model_frame_keys(method)
     expected = (engine(keys[..., order] @ h, "q4_0") @ h)[..., order.argsort()]
     torch.testing.assert_close(k, expected, rtol=0, atol=1e-5)
-    assert torch.equal(v, values.half().float())  # f16: never rotated
     plain = parse_method("ggml:k=q4_0,v=f16,rotate=none,residual=4,group=4")
     plain.bind(spec)
-    kept = map_tensors(Blocks(*plain.encode(keys, values, 0, None)), lambda t: t[:, None])
-    unrotated = plain.decode(kept, 0, None, torch.float32)[0][:, 0]
+    unrotated = model_frame_keys(plain)
     assert (k - keys).pow(2).mean() < (unrotated - keys).pow(2).mean()  # outliers spread
 
 
@@ -396,7 +404,7 @@ def test_mxfp8_takes_the_smallest_power_of_two_scale_that_fits_448():
 
 def test_the_query_is_rounded_as_llama_cpps_flash_attention_rounds_it():
     """Against q4_0 keys the engine dots q8_0 codes of the rotated, reordered query with the
-    key blocks: q̃·k̂ (model frame) equals Q8(H·P·q)·Q(H·P·k) (engine frame)."""
+    key blocks: the cache's scores are Q8(H·P·q)·Q(H·P·k), and equal q·k without rounding."""
     from kvmix.core.transforms import hadamard
     from kvmix.core.tree import map_tensors
     from kvmix.methods import Blocks, ModelSpec, parse_method
@@ -406,23 +414,28 @@ def test_the_query_is_rounded_as_llama_cpps_flash_attention_rounds_it():
     g = torch.Generator().manual_seed(8)
     keys = torch.randn(1, 1, 1, dim, generator=g)
     query = torch.randn(1, 2, 3, dim, generator=g)
-    method = parse_method("ggml:k=q4_0,v=q8_0")
-    method.bind(ModelSpec(1, 2, 1, dim, pairs))
-    rounded = method.transform_queries(query, 0)
-    stored = map_tensors(Blocks(*method.encode(keys, keys, 0, None)), lambda t: t[:, None])
-    k = method.decode(stored, 0, None, torch.float32)[0][:, 0]  # [1, 1, 1, D]
+    spec = ModelSpec(1, 2, 1, dim, pairs)
+
+    def scores(text: str) -> torch.Tensor:
+        method = parse_method(text)
+        method.bind(spec)
+        entered = method.transform_keys(keys, 0)
+        stored = map_tensors(Blocks(*method.encode(entered, entered, 0, None)),
+                             lambda t: t[:, None])
+        k = method.decode(stored, 0, None, torch.float32)[0][:, 0]  # [1, 1, 1, D]
+        return method.transform_queries(query, 0) @ k.transpose(-1, -2)
+
     h, order = hadamard(dim), pairs.flatten()
     q8 = engine(query[..., order] @ h, "q8_0")
     k4 = engine(keys[..., order] @ h, "q4_0")
-    torch.testing.assert_close(rounded @ k.transpose(-1, -2), q8 @ k4.transpose(-1, -2),
+    rounded = scores("ggml:k=q4_0,v=q8_0")
+    torch.testing.assert_close(rounded, q8 @ k4.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+    plain = scores("ggml:k=q4_0,v=q8_0,query=float")
+    torch.testing.assert_close(plain, query @ (k4 @ h)[..., order.argsort()].transpose(-1, -2),
                                rtol=1e-5, atol=1e-5)
-    assert not torch.equal(rounded, query)
-    plain = parse_method("ggml:k=q4_0,v=q8_0,query=float")
-    plain.bind(ModelSpec(1, 2, 1, dim, pairs))
-    assert plain.transform_queries(query, 0) is query
-    f16 = parse_method("ggml:k=f16,v=q8_0")
-    f16.bind(ModelSpec(1, 2, 1, dim, pairs))
-    assert f16.transform_queries(query, 0) is query  # f16 keys: a float query
+    assert not torch.allclose(rounded, plain, rtol=0, atol=1e-6)
+    exact = scores("ggml:k=f16,v=q8_0")  # f16 keys: a float query, no rotation
+    torch.testing.assert_close(exact, query @ keys.half().float().transpose(-1, -2))
 
 
 @pytest.mark.parametrize(("dim", "key_block", "value_block"),

@@ -20,6 +20,11 @@ of the largest power of two dividing the head dim, values in blocks of 64. ``rot
 the same (``x̂ = H·Q(H·x)``, exactly equivalent); ``rotate=none`` is the engine with
 ``LLAMA_ATTN_ROT_DISABLE=1``.
 
+Keys enter the cache in the engine's frame (``transform_keys``: channel order, then rotation;
+queries alike, so every score is kept) and are stored and read there: no rotation per page at
+each step; values are rotated back when read. The rotations are butterflies (additions only), so
+a sequence's codes are the same in any batch.
+
 The engine's CPU flash attention converts each query to the key type's dot type before the dot
 products (``ggml/src/ggml-cpu/ops.cpp``): q8_0 blocks for q8_0, q5_0 and q4_0 keys, q8_1 for
 q5_1 and q4_1 (the same codes and scale as q8_0; the sum q8_1 keeps for the minimum term is
@@ -183,29 +188,28 @@ class Ggml(Method):
         self.order = spec.pairs.flatten() if pairs else None
         self.rotation = self._blocks(spec)  # each side's Hadamard block (0: not rotated)
 
-    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
-               selection: Any) -> tuple[Any, Any]:
-        # keys, values: [B, H, G, D]; keys in the engine's channel order
-        return (quantize_blocks(self._rotated(self._ordered(keys), "k"), self.k),
-                quantize_blocks(self._rotated(values, "v"), self.v))
+    def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
+        """Keys [B, H, q, D] into the engine's frame as they enter the cache: its channel
+        order, then its rotation (orthogonal: queries alike keep every score)."""
+        return self._rotated(self._ordered(keys), "k").to(keys.dtype)
 
     def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
-        """queries [B, Hq, q, D] rounded as the engine's flash attention rounds them against
-        this key type (``query=engine``): q8_0 codes of the rotated, reordered query, back in
-        the model's frame, so that q̃·k̂ equals the engine's dot product."""
+        """Queries [B, Hq, q, D] into the engine's frame, rounded as the engine's flash
+        attention rounds them against this key type (``query=engine``: q8_0 codes)."""
+        dtype, queries = queries.dtype, self._rotated(self._ordered(queries), "k")
         if self.query == "float" or self.k == "f16":
-            return queries
-        rounded = quantize_blocks(self._rotated(self._ordered(queries), "k"), "q8_0")
-        shape = queries.shape[1:]
-        back = dequantize_blocks(rounded, "q8_0", shape, torch.float32)
-        return self._ordered(self._rotated(back, "k"), inverse=True).to(queries.dtype)
+            return queries.to(dtype)
+        rounded = quantize_blocks(queries, "q8_0")
+        return dequantize_blocks(rounded, "q8_0", queries.shape[1:], dtype)
 
-    def _ordered(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """Key channels in the engine's order (or back)."""
-        if self.order is None:
-            return x
-        order = self.order.argsort() if inverse else self.order
-        return x.index_select(-1, order.to(x.device))
+    def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
+               selection: Any) -> tuple[Any, Any]:
+        # keys, values: [B, H, G, D]; keys already in the engine's frame (transform_keys)
+        return quantize_blocks(keys, self.k), quantize_blocks(self._rotated(values, "v"), self.v)
+
+    def _ordered(self, x: torch.Tensor) -> torch.Tensor:
+        """Key channels in the engine's order."""
+        return x if self.order is None else x.index_select(-1, self.order.to(x.device))
 
     def _rotated(self, x: torch.Tensor, side: str) -> torch.Tensor:
         """x·H over each block for a side the engine rotates (H normalized, H = H⁻¹: also the
@@ -218,9 +222,9 @@ class Ggml(Method):
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (self.spec.n_kv_heads, self.group, self.spec.head_dim)
-        keys = self._rotated(dequantize_blocks(blocks.keys, self.k, shape, torch.float32), "k")
+        keys = dequantize_blocks(blocks.keys, self.k, shape, dtype)  # the engine's frame
         values = dequantize_blocks(blocks.values, self.v, shape, torch.float32)
-        return self._ordered(keys, inverse=True).to(dtype), self._rotated(values, "v").to(dtype)
+        return keys, self._rotated(values, "v").to(dtype)
 
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         return format_bits(self.k), format_bits(self.v)
