@@ -211,10 +211,13 @@ def test_budget_plan_and_backends_on_the_real_model(real_model, prose_ids, full_
     assert budget.plan and len(budget.plan["key_bits"]) == 30
     assert (sum(budget.plan["key_bits"]) + sum(budget.plan["value_bits"])) == 3 * 60
     native = score(real_model.model, prose_ids, "kxvy", CONTEXT, chunk=8)
+    native_kl = token_kl(full_scored.logprobs, native.logprobs)
     for backend in ("quanto", "hqq"):
         library = score(real_model.model, prose_ids, f"kxvy:backend={backend}", CONTEXT, chunk=8)
         assert library.nbytes == native.nbytes == library.theoretical_nbytes
-        assert token_kl(full_scored.logprobs, library.logprobs) < 0.5
+        # the same widths and groups: min-max (quanto) or optimized (HQQ) levels cost what
+        # kvmix's own quantizer costs, or less (measured: 0.97x and 0.72x)
+        assert token_kl(full_scored.logprobs, library.logprobs) < 1.25 * native_kl
 
 
 def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_path):
