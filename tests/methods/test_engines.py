@@ -476,3 +476,12 @@ def test_the_butterfly_is_the_hadamard_matrix_and_ignores_the_batch_around_a_row
     assert torch.equal(walsh_hadamard(x, 64)[2:3, 1:2], walsh_hadamard(x[2:3, 1:2], 64))
     with pytest.raises(ValueError, match="power of two dividing 128; got 48"):
         walsh_hadamard(x, 48)
+
+
+def test_export_refuses_an_unknown_engine_release_before_loading_the_model(capsys):
+    from kvmix.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["export", "--plan", "pnmix1", "--engine-version", "vllm=0.28.0", "--out", "x"])
+    assert stop.value.code == 2
+    assert "vllm release '0.28.0' is unknown; known: 0.33.0" in capsys.readouterr().err
