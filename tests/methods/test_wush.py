@@ -209,3 +209,42 @@ def test_bad_wush_input(model, transforms_file, tmp_path):
                                                        "checksum": "0" * 64})
     with pytest.raises(ValueError, match="checksum mismatch"):
         load_transforms(damaged)
+
+
+def test_folding_in_place_changes_the_model_itself_once(transforms_file):
+    """``inplace=True``: no second copy of the weights; the model is folded and marked, a
+    second fold for the same transforms is a no-op, for other transforms an error."""
+    model = tiny_llama(seed=7)
+    reference = tiny_llama(seed=7)
+    method = f"wush:transforms={transforms_file},transform=wush,{LAYOUT}"
+    copy = prepare_model(reference, method)  # the default: a folded copy
+    ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(1))
+    assert prepare_model(model, method, inplace=True) is model
+    assert prepare_model(model, method, inplace=True) is model  # already folded: a no-op
+    weight = model.model.layers[0].self_attn.v_proj.weight
+    assert torch.equal(weight, copy.model.layers[0].self_attn.v_proj.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
+    other = f"wush:transforms={transforms_file},transform=hadamard,{LAYOUT}"
+    with pytest.raises(ValueError, match="already folded in place .* load the model again"):
+        prepare_model(model, other, inplace=True)
+    cache = kvmix.make_cache(model, method)  # binds: the model carries the transforms' id
+    assert cache.method.fold_id == getattr(model, "_kvmix_folded")
+
+
+def test_the_models_facts_are_computed_once_and_again_after_an_in_place_change(monkeypatch):
+    from kvmix.runtime import attention
+
+    calls = []
+    probe = attention.rope_pairs
+    monkeypatch.setattr(attention, "rope_pairs", lambda m: calls.append(m) or probe(m))
+    model = tiny_llama(seed=3)
+    first = kvmix.make_cache(model, "kivi2").spec.kv_norms
+    kvmix.make_cache(model, "pnmix1")
+    assert len(calls) == 1  # the RoPE probe and the norms: once per model
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight.mul_(2)  # changed in place
+    again = kvmix.make_cache(model, "kivi2").spec.kv_norms
+    assert len(calls) == 2
+    torch.testing.assert_close(again[1, 0], 4 * first[1, 0])
+    assert torch.equal(again[0], first[0])
