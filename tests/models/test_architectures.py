@@ -76,6 +76,22 @@ def test_full_reproduces_dynamic_cache(name):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_bfloat16_full_matches_dynamic_cache_exactly_and_the_fused_op_within_two_ulps(name):
+    """bfloat16: the reference path reads the same values as DynamicCache (equal logits); the
+    fused CPU op computes in float32 and rounds once, within two bfloat16 ulps (2^-7 relative)
+    of the logits' scale."""
+    model = build(name, *ARCHITECTURES[name]).to(torch.bfloat16)
+    ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        expected = logits(model, ids, DynamicCache(config=model.config)).float()
+        reference = logits(model, ids, kvmix.make_cache(model, "full", backend="torch"))
+        fused = logits(model, ids, kvmix.make_cache(model, "full", backend="cpu")).float()
+    assert torch.equal(reference.float(), expected)
+    assert (fused - expected).abs().max() <= 2**-7 * expected.abs().max()
+
+
 @pytest.mark.parametrize("name", list(REFUSED))
 def test_attention_kvmix_does_not_compute_is_refused_at_make_cache(name):
     config, overrides, feature = REFUSED[name]
