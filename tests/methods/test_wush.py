@@ -229,7 +229,7 @@ def test_folding_in_place_changes_the_model_itself_once(transforms_file):
     with pytest.raises(ValueError, match="already folded in place .* load the model again"):
         prepare_model(model, other, inplace=True)
     cache = kvmix.make_cache(model, method)  # binds: the model carries the transforms' id
-    assert cache.method.fold_id == getattr(model, "_kvmix_folded")
+    assert cache.method.fold_id == model._kvmix_folded
 
 
 def test_the_models_facts_are_computed_once_and_again_after_an_in_place_change(monkeypatch):
