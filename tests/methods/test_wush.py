@@ -226,7 +226,7 @@ def test_folding_in_place_changes_the_model_itself_once(transforms_file):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
     other = f"wush:transforms={transforms_file},transform=hadamard,{LAYOUT}"
-    with pytest.raises(ValueError, match="already folded in place .* load the model again"):
+    with pytest.raises(ValueError, match=r"already folded in place .* load the model again"):
         prepare_model(model, other, inplace=True)
     cache = kvmix.make_cache(model, method)  # binds: the model carries the transforms' id
     assert cache.method.fold_id == model._kvmix_folded
