@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from helpers import METHODS, PAIRS, D, make, tokens
 
-from kvmix.methods.ggml import FORMATS, dequantize_blocks, format_bits, quantize_blocks
+from kvmix.methods.ggml import FLOATS, FORMATS, dequantize_blocks, format_bits, quantize_blocks
 
 TYPES = {name: getattr(GGMLQuantizationType, name.upper()) for name in FORMATS}
 
@@ -35,12 +35,12 @@ def values_of_every_scale() -> torch.Tensor:
 def test_blocks_are_llama_cpp_blocks(kind):
     x = values_of_every_scale()
     stored = quantize_blocks(x, kind)
-    rows = stored[:, None] if kind == "f16" else type(stored)(
+    rows = stored[:, None] if kind in FLOATS else type(stored)(
         *(None if t is None else t[:, None] for t in (stored.codes, stored.scale,
                                                        stored.minimum)))
     got = dequantize_blocks(rows, kind, tuple(x.shape[1:]), torch.float32)[:, 0]
     assert torch.equal(got, engine(x, kind))
-    if kind != "f16":  # codes and statistics take what the engine's block takes
+    if kind not in FLOATS:  # codes and statistics take what the engine's block takes
         kept = stored.codes.nbytes + stored.scale.nbytes + (
             0 if stored.minimum is None else stored.minimum.nbytes)
         engine_bytes = len(quants.quantize(x.numpy(), TYPES[kind]).tobytes())
@@ -88,7 +88,7 @@ def test_key_blocks_follow_the_engines_channel_order():
 def test_unknown_types_are_named_with_the_valid_ones():
     from kvmix.methods import parse_method
 
-    with pytest.raises(ValueError, match="k='iq4_nl' is invalid; valid: f16, q8_0"):
+    with pytest.raises(ValueError, match="k='iq4_nl' is invalid; valid: f16, bf16, q8_0"):
         parse_method("ggml:k=iq4_nl")
     with pytest.raises(ValueError, match="key_order='x' is invalid; valid: pairs, model"):
         parse_method("ggml:key_order=x")

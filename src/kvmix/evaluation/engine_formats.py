@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmix.methods.ggml import FORMATS as GGML_FORMATS
 from kvmix.methods.ggml import format_bits as ggml_bits
 
 FP8 = "fp8:format={},scale=tensor"
@@ -62,7 +63,7 @@ def _same(name: str, bits: float, per_head: float, stores: str, simulate: str | 
 
 
 def _ggml(name: str, stores: str, simulate: bool = True) -> Format:
-    bits = ggml_bits(name) if name in ("f16", "q8_0", "q5_0", "q5_1", "q4_0", "q4_1") else 4.5
+    bits = ggml_bits(name) if name in GGML_FORMATS else 4.5  # iq4_nl: 4 bits + float16 / 32
     return _same(name, bits, 0, stores, f"ggml:k={name},v={name}" if simulate else None)
 
 
@@ -73,7 +74,7 @@ LLAMA_CPP = Release(
     "ggml/src/ggml-cpu/ops.cpp (query rounding)",
     (_same("f32", 32, 0, "float32", "full"),
      _ggml("f16", "float16"),
-     _same("bf16", 16, 0, "bfloat16"),
+     _ggml("bf16", "bfloat16"),
      _ggml("q8_0", "8-bit codes, float16 scale per 32 channels"),
      _ggml("q4_0", "4-bit codes, float16 scale per 32 channels"),
      _ggml("q4_1", "4-bit codes, float16 scale and minimum per 32 channels"),

@@ -11,7 +11,8 @@ unrounded scale):
   ``q = min(15, trunc(x/d + 8.5))`` (31, 16.5), ``x̂ = (q − 8)·d`` (16);
 * ``q4_1`` / ``q5_1``: ``d = (max − min)/15`` (31), ``q = min(15, trunc((x − min)/d + ½))``,
   ``x̂ = q·d + m``;
-* ``f16``: the float16 value.
+* ``f16`` / ``bf16``: the float16 / bfloat16 value (round to nearest even, as ggml's
+  conversions).
 
 Since llama.cpp's activation rotation (ggml-org/llama.cpp#21038, April 2026), a quantized side is
 stored rotated by a block-diagonal normalized Hadamard matrix H (queries alike, the output
@@ -55,7 +56,9 @@ from kvmix.methods.base import Blocks, Method, ModelSpec, choice, require_pairs
 
 BLOCK = 32
 # type: (code bits, has a minimum); f16 is the float16 value itself
-FORMATS = {"f16": (16, False), "q8_0": (8, False), "q5_0": (5, False), "q5_1": (5, True),
+FLOATS = {"f16": torch.float16, "bf16": torch.bfloat16}  # stored as the float itself
+FORMATS = {"f16": (16, False), "bf16": (16, False), "q8_0": (8, False), "q5_0": (5, False),
+           "q5_1": (5, True),
            "q4_0": (4, False), "q4_1": (4, True)}
 ORDERS = ("pairs", "model")
 ROTATIONS = ("auto", "none")
@@ -75,8 +78,8 @@ class GgmlBlocks:
 
 def quantize_blocks(x: torch.Tensor, kind: str) -> GgmlBlocks | torch.Tensor:
     """x: [B, H, G, D] -> llama.cpp's ``kind`` blocks over the last axis (float16 for f16)."""
-    if kind == "f16":
-        return x.to(torch.float16)
+    if kind in FLOATS:
+        return x.to(FLOATS[kind])
     bits, affine = FORMATS[kind]
     x = x.float().unflatten(-1, (-1, BLOCK))  # [B, H, G, D/32, 32]
     if affine:
@@ -100,7 +103,7 @@ def quantize_blocks(x: torch.Tensor, kind: str) -> GgmlBlocks | torch.Tensor:
 def dequantize_blocks(stored: GgmlBlocks | torch.Tensor, kind: str, shape: tuple[int, ...],
                       dtype: torch.dtype) -> torch.Tensor:
     """Stored blocks (rows [B, n]) -> [B, n, H, G, D] in ``dtype``."""
-    if kind == "f16":
+    if kind in FLOATS:
         return stored.to(dtype)
     bits, affine = FORMATS[kind]
     rows = stored.codes.shape[:-1]
@@ -117,7 +120,7 @@ def dequantize_blocks(stored: GgmlBlocks | torch.Tensor, kind: str, shape: tuple
 def format_bits(kind: str) -> float:
     """Bits per element: codes plus a float16 scale (and minimum) per 32."""
     bits, affine = FORMATS[kind]
-    return float(bits) if kind == "f16" else bits + 16 * (1 + affine) / BLOCK
+    return float(bits) if kind in FLOATS else bits + 16 * (1 + affine) / BLOCK
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -149,9 +152,10 @@ def _unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 @register
 @dataclass
 class Ggml(Method):
-    """llama.cpp's cache types per side: ``k`` and ``v`` in f16, q8_0, q5_1, q5_0, q4_1, q4_0.
+    """llama.cpp's cache types per side: ``k`` and ``v`` in f16, bf16, q8_0, q5_1, q5_0, q4_1,
+    q4_0.
 
-    Bits per element: f16 16; q8_0 8.5; q5_1 6; q5_0 5.5; q4_1 5; q4_0 4.5.
+    Bits per element: f16, bf16 16; q8_0 8.5; q5_1 6; q5_0 5.5; q4_1 5; q4_0 4.5.
     """
 
     name: ClassVar[str] = "ggml"
@@ -180,11 +184,11 @@ class Ggml(Method):
         if spec.head_dim % BLOCK:
             raise ValueError(f"ggml needs a head dim divisible by {BLOCK}; the model's is "
                              f"{spec.head_dim}")
-        if self.key_order == "pairs" and self.k != "f16":
+        if self.key_order == "pairs" and self.k not in FLOATS:
             require_pairs(spec, "ggml:key_order=pairs")
         self.spec = spec
         # the engine's channel of each stored key channel (a view of the model's pairs), or None
-        pairs = self.key_order == "pairs" and self.k != "f16"
+        pairs = self.key_order == "pairs" and self.k not in FLOATS
         self.order = spec.pairs.flatten() if pairs else None
         self.rotation = self._blocks(spec)  # each side's Hadamard block (0: not rotated)
 
@@ -197,7 +201,7 @@ class Ggml(Method):
         """Queries [B, Hq, q, D] into the engine's frame, rounded as the engine's flash
         attention rounds them against this key type (``query=engine``: q8_0 codes)."""
         dtype, queries = queries.dtype, self._rotated(self._ordered(queries), "k")
-        if self.query == "float" or self.k == "f16":
+        if self.query == "float" or self.k in FLOATS:
             return queries.to(dtype)
         rounded = quantize_blocks(queries, "q8_0")
         return dequantize_blocks(rounded, "q8_0", queries.shape[1:], dtype)
@@ -236,10 +240,10 @@ class Ggml(Method):
         rotates = self.rotate == "auto" and spec.head_dim % ROTATION_STEP == 0
         blocks = {"k": spec.head_dim & -spec.head_dim, "v": ROTATION_STEP}
         kinds = {"k": self.k, "v": self.v}
-        return {side: block if rotates and kinds[side] != "f16" else 0
+        return {side: block if rotates and kinds[side] not in FLOATS else 0
                 for side, block in blocks.items()}
 
     @classmethod
     def describe(cls) -> str:
-        return ("per side: f16 16, q8_0 8.5, q5_1 6, q5_0 5.5, q4_1 5, q4_0 4.5 bits "
+        return ("per side: f16/bf16 16, q8_0 8.5, q5_1 6, q5_0 5.5, q4_1 5, q4_0 4.5 bits "
                 "(codes + float16 scale/min per 32 channels)")
