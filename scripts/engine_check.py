@@ -20,7 +20,7 @@ model carries it only as far as the change itself. (The engine is deterministic:
 with other micro-batches gives KL 0, and an f32 cache gives what its f16 cache gives.)
 
 Usage: python scripts/engine_check.py [--tokens 1536] [--chunk 1] [--query engine|float]
-       [--out DIR]
+       [--pairs q8_0/q8_0,q4_0/q4_0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -87,6 +87,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--no-rotation", action="store_true")
     parser.add_argument("--query", default="engine", choices=("engine", "float"))
+    parser.add_argument("--pairs", default="", help="K/V pairs to run (f16/f16 and bf16/bf16 "
+                                                    "always run); default: all")
     parser.add_argument("--out", default="results/engine-check")
     args = parser.parse_args()
     rotate = "none" if args.no_rotation else "auto"
@@ -96,15 +98,17 @@ def main() -> None:
     ids = token_ids(loaded.tokenizer, load_text("prose"), args.tokens)  # [1, T]
     context = args.tokens // 2
     targets = ids[0, context + 1 :]
+    chosen = [tuple(pair.split("/")) for pair in args.pairs.split(",") if pair]
+    pairs = [p for p in PAIRS if not chosen or p in chosen or "f16" in p[0]]
     engine, kvmix = {}, {}
-    for k, v in PAIRS:
+    for k, v in pairs:
         engine[k, v] = engine_logprobs(ids[0].tolist(), k, v, context, args.threads)
         method = f"ggml:k={k},v={v},rotate={rotate},query={args.query}"
         kvmix[k, v] = score(loaded.model, ids, method, context, args.chunk,
                             backend="torch").logprobs
         print(f"{k}/{v} done", flush=True)
     rows = []
-    for k, v in PAIRS:
+    for k, v in pairs:
         e_kl = token_kl(engine["f16", "f16"], engine[k, v])
         m_kl = token_kl(kvmix["f16", "f16"], kvmix[k, v])
         rows.append({"k": k, "v": v, "engine_ppl": perplexity(engine[k, v], targets),
