@@ -157,6 +157,16 @@ def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None
     return worst
 
 
+def padded_prompts(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention mask [B, T] of prompts, each row right-aligned after zeros."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, row in enumerate(rows):
+        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
+    return ids, mask
+
+
 def left_padded(lengths: list[int]) -> torch.Tensor:
     """[B, 1, T, T] bool mask of left-padded rows holding ``lengths`` real tokens."""
     total = max(lengths)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 import transformers
-from helpers import method_string
+from helpers import method_string, padded_prompts
 from transformers import DynamicCache
 
 import kvmix
@@ -100,15 +100,6 @@ def test_attention_kvmix_does_not_compute_is_refused_at_make_cache(name):
         kvmix.make_cache(model, "kivi2")
 
 
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
-    return ids, mask
-
-
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_every_method_generates_a_padded_batch_as_each_sequence_alone_or_is_refused(name,
@@ -124,7 +115,7 @@ def test_every_method_generates_a_padded_batch_as_each_sequence_alone_or_is_refu
     except ValueError as refusal:  # refused up front, naming what the model lacks
         assert "head dim" in str(refusal) or "RoPE channel pairs" in str(refusal), refusal
         return
-    ids, mask = left_padded(prompts)
+    ids, mask = padded_prompts(prompts)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         together = runner.generate(ids, attention_mask=mask, cache=cache, **greedy)

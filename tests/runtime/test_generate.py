@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_llama
-from helpers import FAST, method_string
+from helpers import FAST, method_string, padded_prompts
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 import kvmix
@@ -29,16 +29,6 @@ def prompts() -> list[torch.Tensor]:
     return [torch.randint(1, 97, (n,), generator=g) for n in PROMPTS]
 
 
-def left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids and attention mask [B, T], each row right-aligned after zeros."""
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, row in enumerate(rows):
-        ids[b, width - len(row):], mask[b, width - len(row):] = row, 1
-    return ids, mask
-
-
 def runner_and_method(model, name: str):
     method = method_string(name, model if name.startswith("wush") else None)
     return kvmix.prepare_model(model, method), method
@@ -53,7 +43,7 @@ def test_a_padded_batch_generates_exactly_what_each_sequence_generates_alone(mod
     own tokens, so padding changes nothing: 64 greedy tokens (several pages sealed per row, at
     different steps), token for token, every row."""
     runner, method = runner_and_method(model, name)
-    ids, mask = left_padded(prompts())
+    ids, mask = padded_prompts(prompts())
     greedy = {"max_new_tokens": 64, "min_new_tokens": 64, "do_sample": False}
     cache = kvmix.make_cache(runner, method, backend=backend)
     with torch.no_grad():
@@ -144,7 +134,7 @@ def test_hybrid_models_pack_full_layers_and_count_every_layer(gemma, name):
         warnings.simplefilter("always")
         cache = kvmix.make_cache(runner, method)
     assert [str(w.message) for w in caught if "full-attention layers only" in str(w.message)]
-    ids, mask = left_padded(prompts()[:2])
+    ids, mask = padded_prompts(prompts()[:2])
     with torch.no_grad():
         out = runner.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=40,
                               min_new_tokens=40, do_sample=False)

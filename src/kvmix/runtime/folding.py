@@ -27,13 +27,7 @@ _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 @torch.no_grad()
 def fold_values(model: Any, values: torch.Tensor, fold_id: str) -> Any:
     """A copy of ``model`` whose value projections produce T_v v; values: [L, H, D, D]."""
-    folded = copy.deepcopy(model)
-    config = model.config.get_text_config(decoder=True)
-    group = config.num_attention_heads // values.shape[1]
-    for module, transform in zip(attention_modules(folded), values, strict=True):
-        _fold_layer(module, transform, group)
-    setattr(folded, FOLDED, fold_id)
-    return folded
+    return _fold(copy.deepcopy(model), values, fold_id)
 
 
 def prepare_model(model: Any, method: str | Method, inplace: bool = False) -> Any:
@@ -62,6 +56,11 @@ def _fold_in_place(model: Any, values: torch.Tensor, fold_id: str) -> Any:
     if folded is not None:
         raise ValueError(f"the model is already folded in place with transforms {folded}; "
                          f"folding {fold_id} too would compound them: load the model again")
+    return _fold(model, values, fold_id)
+
+
+def _fold(model: Any, values: torch.Tensor, fold_id: str) -> Any:
+    """Fold T_v [L, H, D, D] into ``model``'s own weights and mark it."""
     config = model.config.get_text_config(decoder=True)
     group = config.num_attention_heads // values.shape[1]
     for module, transform in zip(attention_modules(model), values, strict=True):
