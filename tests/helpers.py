@@ -75,11 +75,15 @@ def method_string(name: str, model=None, **layout) -> str:
 
 
 def make(name: str, backend: str = "torch", max_batch: int | None = None,
-         max_tokens: int | None = None, **layout) -> KVMixCache:
+         max_tokens: int | None = None, window: int | None = None, **layout) -> KVMixCache:
+    """A cache on the tiny Llama's shapes; ``window``: every layer a sliding-window layer."""
     method = parse_method(method_string(name, **layout))
+    sliding = {} if window is None else {"sliding_window": window, "layer_types": [
+        "sliding_attention"] * TINY["num_hidden_layers"]}
+    config = LlamaConfig(**TINY, **sliding)
     # values of wush / rotate=values come from a folded model; the layer contract needs none
-    fold = method.value_fold(model_spec(LlamaConfig(**TINY)))
-    return KVMixCache(method, LlamaConfig(**TINY), PAIRS, folded=fold[1] if fold else None,
+    fold = method.value_fold(model_spec(config))
+    return KVMixCache(method, config, PAIRS, folded=fold[1] if fold else None,
                       backend=backend, max_batch=max_batch, max_tokens=max_tokens)
 
 
@@ -194,13 +198,13 @@ def step(cache, batch: int, seed: int, staged=None, device="cpu") -> torch.Tenso
 
 
 def compare_batched(name: str, backend: str, steps: int, device="cpu",
-                    lengths: tuple[int, ...] = (45, 9, 30)) -> None:
+                    lengths: tuple[int, ...] = (45, 9, 30), window: int | None = None) -> None:
     """Rows of different lengths (left padding): each decode step's output from the backend's
     one batched call equals the reference path's, and both caches seal the same pages bit for
-    bit."""
+    bit (``window``: sliding-window layers, the window's edge inside the pages)."""
     from kvmix.runtime.kernels import cpu, gpu
 
-    fast, exact = make(name, backend=backend), make(name, backend="torch")
+    fast, exact = (make(name, backend=b, window=window) for b in (backend, "torch"))
     for cache in (fast, exact):
         prefill(cache, list(lengths), device=device)
     kernels = {"cpu": cpu, "triton": gpu}[backend]
@@ -215,6 +219,6 @@ def compare_batched(name: str, backend: str, steps: int, device="cpu",
         kernels.attend_batch = real
     assert len(used) == steps  # every step was one batched call
     for a, b in zip(fast.layers[0].rows, exact.layers[0].rows, strict=True):
-        assert a.lengths == b.lengths and a.lengths
+        assert a.lengths == b.lengths and a.seen == b.seen and (a.lengths or window)
         pairs = zip(tagged_tensors(a.blocks, ""), tagged_tensors(b.blocks, ""), strict=True)
         assert all(torch.equal(x, y) for (_, x), (_, y) in pairs)

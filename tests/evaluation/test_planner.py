@@ -3,6 +3,7 @@ it reports, the roofline's direction, and bad input."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -37,12 +38,20 @@ def test_bundled_parameter_counts_match_the_published_ones(name):
     assert architecture(name).parameters == pytest.approx(PUBLISHED[name], rel=0.005)
 
 
-def test_gemma3_keeps_one_global_layer_in_six():
+def test_gemma3_sliding_layers_hold_their_window_not_the_context():
+    """Gemma-3 keeps one global layer in six: beyond the window, only those ten layers grow."""
     arch = architecture("gemma-3-27b")
     assert arch.layer_types.count("full_attention") == 10 and arch.sliding_window == 1024
+    every_global = dataclasses.replace(arch, layer_types=("full_attention",) * arch.layers)
     method = bound("kivi2", arch)
-    short, long = (kv_bytes(method, arch, 1, n, torch.float16)["sliding"] for n in (512, 8192))
-    assert long == 2 * short == 52 * 1024 * 2 * 16 * 128 * 2  # the window, not the context
+
+    def growth(a):  # bytes 8K more tokens add, beyond the window
+        return sum(kv_bytes(method, a, 1, 16384, torch.float16).values()) - sum(
+            kv_bytes(method, a, 1, 8192, torch.float16).values())
+
+    assert growth(arch) == pytest.approx(growth(every_global) * 10 / arch.layers, rel=1e-9)
+    short, long = (kv_bytes(method, arch, 1, n, torch.float16)["blocks"] for n in (512, 8192))
+    assert long < 16 * short  # 16× the tokens: the sliding layers' pages stop at the window
 
 
 def test_a_user_config_json_is_read_and_a_broken_one_named(tmp_path):
@@ -77,6 +86,29 @@ def test_planned_bytes_are_what_a_real_cache_holds(name, batch, tokens):
     blocks = sum(v for k, v in cache.nbytes_breakdown().items()
                  if k in ("codes", "scales", "zeros", "full"))
     assert plan["blocks"] == pytest.approx(blocks, abs=0)
+
+
+@pytest.mark.parametrize("name", ["full", "kivi2", "pnmix1", "kitty"])
+@pytest.mark.parametrize("prompt, steps", [(40, 0), (70, 23), (200, 9)])
+def test_planned_bytes_of_sliding_window_layers_are_what_a_real_cache_holds(name, prompt, steps):
+    """A sliding-window layer beside a full one: after a prompt and decode steps the planner
+    says, by part, what the cache holds (its pool grown on demand: free pages aside)."""
+    model = tiny_llama(layer_types=["sliding_attention", "full_attention"], sliding_window=24)
+    method = method_string(name)
+    cache = kvmix.make_cache(model, method, backend="torch")
+    ids = torch.randint(1, 97, (2, prompt + steps), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(ids[:, :prompt], cache=cache, use_cache=True)
+        for t in range(prompt, prompt + steps):
+            model(ids[:, t : t + 1], cache=cache, use_cache=True)
+    arch = from_config(model.config.to_dict(), "tiny")
+    plan = kv_bytes(bound(method, arch), arch, 2, prompt + steps, torch.float32)
+    held = cache.nbytes_breakdown()
+    blocks = sum(v for k, v in held.items() if k in ("codes", "scales", "zeros", "full"))
+    assert plan["blocks"] == pytest.approx(blocks, abs=0)
+    assert plan["sink"] + plan["residual"] == held["sink"] + held["residual"]
+    sliding = cache.layers[0].store  # the pages that meet the window of 24, groups of 8
+    assert all(len(pages) <= 4 for pages in sliding.pages) and sliding.pool.used <= 8
 
 
 @pytest.mark.parametrize("name", ["full", "kivi2", "pnmix1"])

@@ -128,25 +128,29 @@ def gemma():
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_hybrid_models_pack_full_layers_and_count_every_layer(gemma, name):
+def test_hybrid_models_pack_every_layer_and_sliding_ones_hold_their_window(gemma, name):
+    """Gemma-3's sliding layers (window 8) are packed too: they release the pages the window
+    has passed, so they hold far fewer tokens than the global layers; every byte is counted."""
     runner, method = runner_and_method(gemma, name)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no layer is left unpacked
         cache = kvmix.make_cache(runner, method)
-    assert [str(w.message) for w in caught if "full-attention layers only" in str(w.message)]
     ids, mask = padded_prompts(prompts()[:2])
     with torch.no_grad():
         out = runner.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=40,
                               min_new_tokens=40, do_sample=False)
     assert out.shape == (2, ids.shape[1] + 40)
-    assert [i for i, layer in enumerate(cache.layers) if layer in cache.packed_layers] == [1, 3]
-    kinds = cache.nbytes_breakdown()
-    assert kinds["other_layers"] > 0 and cache.nbytes() == reachable_bytes(cache)
-    assert cache.nbytes() == cache.theoretical_nbytes()
-    held = sum(len(row) for layer in cache.packed_layers for row in layer.rows)
-    assert held == 2 * (sum(PROMPTS[:2]) + 2 * 39)  # 2 layers; the last token is never fed back
-    window = sum(layer.keys.shape[0] * layer.keys.shape[-2] for layer in cache.other_layers)
-    assert cache.fp16_nbytes() == 4 * 32 * (held + window)  # 16-bit K and V, same layers
+    assert cache.packed_layers == cache.layers and not cache.other_layers
+    assert [layer.sliding_window for layer in cache.layers] == [8, None, 8, None]
+    assert cache.nbytes() == reachable_bytes(cache) == cache.theoretical_nbytes()
+    seen = [sum(row.seen for row in layer.rows) for layer in cache.layers]
+    assert seen == [sum(PROMPTS[:2]) + 2 * 39] * 4  # the last token is never fed back
+    held = [sum(len(row) for row in layer.rows) for layer in cache.layers]
+    assert held[1] == held[3] == seen[1]
+    m = cache.method  # per row at most the sink, the pages that meet the window, the residual
+    assert held[0] == held[2] <= 2 * (m.sink + m.group * (-(-7 // m.group) + 1) + m.residual)
+    assert held[0] < seen[0]
+    assert cache.fp16_nbytes() == 4 * 32 * sum(held)  # 16-bit K and V of the tokens held
 
 
 def test_generate_fills_the_cache_it_is_given(model):

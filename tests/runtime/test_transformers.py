@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import tiny_llama
 from helpers import attend
 from transformers import DynamicCache
@@ -108,12 +109,30 @@ def test_keys_beyond_the_float16_range_of_the_statistics_are_refused():
     assert exact.layers[0].rows[0].history(torch.float32)[0].abs().max() == 1e6
 
 
-def test_sliding_layers_keep_their_cache_with_one_warning():
-    model = tiny_llama(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
-    with pytest.warns(UserWarning, match="full-attention layers only"):
+def test_layers_kvmix_does_not_serve_keep_their_cache_with_one_warning():
+    model = tiny_llama(layer_types=["sliding_attention", "chunked_attention"], sliding_window=8,
+                       attention_chunk_size=8)
+    with pytest.warns(UserWarning, match=r"full-attention and sliding-window layers; layers of "
+                                         r"kind \['chunked_attention'\]"):
         cache = kvmix.make_cache(model, f"kivi2:{SMALL}")
     assert isinstance(cache.layers[0], kvmix.runtime.cache.KVMixLayer)
+    assert cache.layers[0].sliding_window == 8 and cache.is_sliding == [True, True]
     assert not isinstance(cache.layers[1], kvmix.runtime.cache.KVMixLayer)
+
+
+def test_a_window_the_attention_disagrees_with_is_refused():
+    """Mistral passes its sliding_window to every attention call; a config whose layer_types
+    call the layers full would get a cache without the window: refused, not ignored."""
+    config = transformers.MistralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=32, sliding_window=8,
+                                        layer_types=["full_attention"] * 2)
+    model = transformers.MistralForCausalLM(config).eval()
+    cache = kvmix.make_cache(model, f"kivi2:{SMALL}")
+    with torch.no_grad(), pytest.raises(ValueError, match=r"sliding window of 8 tokens but its "
+                                                          r"cache layer is built for "
+                                                          r"sliding_window=None"):
+        model(torch.randint(1, 97, (1, 12)), cache=cache, use_cache=True)
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -144,9 +163,10 @@ def test_per_layer_bits_are_used_per_layer(tiny_model):
 
 def test_a_padded_prefill_hands_kvmix_layers_one_mask_row(monkeypatch):
     """No [B, 1, T, T] mask for a kvmix layer: it reads each row's padding from one row; a
-    layer kvmix does not serve (sliding) still gets the full mask, and the logits are
+    layer kvmix does not serve (chunked) still gets the full mask, and the logits are
     DynamicCache's."""
-    model = tiny_llama(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    model = tiny_llama(layer_types=["full_attention", "chunked_attention"],
+                       attention_chunk_size=64)
     ids = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids)
     ids[0, :5], mask[0, :5] = 0, 0
@@ -155,7 +175,7 @@ def test_a_padded_prefill_hands_kvmix_layers_one_mask_row(monkeypatch):
     real = kvmix.runtime.layer.KVMixLayer.attend
     monkeypatch.setattr(kvmix.runtime.layer.KVMixLayer, "attend",
                         lambda self, q, m, s: seen.append(m.shape) or real(self, q, m, s))
-    with torch.no_grad(), pytest.warns(UserWarning, match="full-attention layers only"):
+    with torch.no_grad(), pytest.warns(UserWarning, match="chunked_attention"):
         ours = model(ids, attention_mask=mask, position_ids=positions, use_cache=True,
                      cache=kvmix.make_cache(model, f"full:{SMALL}")).logits
     reference = model(ids, attention_mask=mask, position_ids=positions, use_cache=True,

@@ -41,6 +41,13 @@ def test_one_batched_pass_matches_the_reference_on_a_ragged_batch(name):
     compare_batched(name, "triton", steps=12, device=DEVICE)
 
 
+@pytest.mark.parametrize("name", ["pnmix1", "wush", "full"])
+def test_one_batched_pass_masks_a_sliding_window_as_the_reference_does(name):
+    """Sliding-window layers of 20 tokens: the window's edge inside each sequence's first page
+    (the kernels' skip), the sink and the residual (the spans)."""
+    compare_batched(name, "triton", steps=12, device=DEVICE, window=20)
+
+
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1", "wush"])
 @pytest.mark.parametrize("sink, prompt", [(0, 17), (1, 25), (8, 8), (4, 4 + 16 + 8)])
 def test_edge_lengths_of_sink_and_residual(name, sink, prompt):

@@ -3,8 +3,8 @@ how big a batch or how long a generation does, and — an estimate — how fast 
 
 KV bytes come from ``kvmix.runtime.accounting`` — the same per-segment bit formulas a real
 cache's ``theoretical_nbytes()`` uses — applied to the flush rule's layout of ``prompt +
-tokens`` tokens in every full-attention layer; sliding-window layers hold their window in the
-KV dtype. Weights are the architecture's parameter count at ``weight_bits`` (4-bit adds a
+tokens`` tokens in every layer (a sliding-window layer holds only the pages its window still
+sees). Weights are the architecture's parameter count at ``weight_bits`` (4-bit adds a
 float16 scale and zero per 128 weights: 4.25 bits). ``overhead`` covers the framework's
 context, activations and allocator reserve (default 1.5 GiB).
 
@@ -94,7 +94,7 @@ def bound(method: str | Method, arch: Architecture) -> Method:
 class Planned:
     """One method's bytes at one batch and context, by part."""
 
-    kv: dict[str, float]  # sink, blocks, residual, selection, static, sliding
+    kv: dict[str, float]  # sink, blocks, residual, selection, static, free
     weights: float
     overhead: float
 
@@ -112,20 +112,14 @@ def kv_bytes(method: Method, arch: Architecture, batch: int, context: int,
     """The cache of ``batch`` sequences of ``context`` tokens, by segment; ``free``: the float
     slots (sink + residual per sequence) no token fills yet, which the cache allocates."""
     spec = arch.spec()
-    parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "sliding": 0.0,
-             "free": 0.0}
-    held = layout(method, context)
-    unfilled = method.sink + method.residual - held.sink - held.residual
+    parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "free": 0.0}
     per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     for index, kind in enumerate(arch.layer_types):
-        if kind == FULL:
-            for part, size in segment_bytes(method, spec, index, held, dtype).items():
-                parts[part] += batch * size
-            parts["free"] += batch * unfilled * per_token
-        else:  # transformers' own sliding layer: the window, unquantized
-            window = min(context, arch.sliding_window or context)
-            parts["sliding"] += batch * window * 2 * spec.n_kv_heads * spec.head_dim \
-                * dtype.itemsize
+        held = layout(method, context, None if kind == FULL else arch.sliding_window)
+        for part, size in segment_bytes(method, spec, index, held, dtype).items():
+            parts[part] += batch * size
+        parts["free"] += batch * (method.sink + method.residual - held.sink - held.residual) \
+            * per_token
     parts["static"] = float(spec.static_nbytes() + method.static_nbytes(spec))
     return parts
 

@@ -22,12 +22,15 @@ class Layout:
     residual: int
 
 
-def layout(method: Method, tokens: int) -> Layout:
-    """The flush rule in closed form: where ``tokens`` real tokens sit."""
+def layout(method: Method, tokens: int, window: int | None = None) -> Layout:
+    """The flush rule in closed form: where ``tokens`` real tokens sit (in a sliding-window
+    layer of ``window`` tokens, less the pages the next query cannot see: released)."""
     sink = min(tokens, method.sink)
     rest = tokens - sink
     blocks = sealed_groups(method, rest)
-    return Layout(sink, blocks, rest - blocks * method.group)
+    released = 0 if window is None else min(max((tokens - window + 1 - sink) // method.group,
+                                                 0), blocks)
+    return Layout(sink, blocks - released, rest - blocks * method.group)
 
 
 def segment_bytes(method: Method, spec: ModelSpec, layer: int, held: Layout,

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from kvmix.methods import Method, parse_method
 from kvmix.models.rope import rope_pairs
@@ -46,6 +46,12 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if isinstance(attention_mask, RowMask):
             attention_mask = attention_mask.full()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and window != layer.sliding_window:
+        raise ValueError(f"layer {layer.layer_idx} attends over a sliding window of {window} "
+                         f"tokens but its cache layer is built for sliding_window="
+                         f"{layer.sliding_window} (the config's layer_types and sliding_window "
+                         "disagree with the model's attention)")
     if isinstance(attention_mask, RowMask):
         attention_mask = attention_mask.last_row()  # [B, 1, 1, T]: all a kvmix layer reads
     out = layer.attend(query, attention_mask, scaling)  # [B, Hq, q, D]
@@ -54,10 +60,11 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 class RowMask:
     """The ``kvmix`` mask function's answer for a chunk of queries: the arguments of
-    transformers' SDPA mask instead of the mask. A kvmix layer reads only the last query row
-    (each row's padding), [B, 1, 1, T]; a layer kvmix does not serve gets the full
-    [B, 1, q, T] mask, built when first asked (for a padded prefill of 8 × 32K tokens that is
-    8.6 GB, which a model whose layers are all kvmix's never builds)."""
+    transformers' SDPA mask instead of the mask. A kvmix layer reads only each row's padding:
+    the last query row of the causal mask, [B, 1, 1, T] (a sliding window is the layer's own);
+    a layer kvmix does not serve gets the full [B, 1, q, T] mask, built when first asked (for a
+    padded prefill of 8 × 32K tokens that is 8.6 GB, which a model whose layers are all
+    kvmix's never builds)."""
 
     def __init__(self, arguments: dict[str, Any]):
         self.arguments = arguments
@@ -67,8 +74,9 @@ class RowMask:
         if "last" not in self._rows:
             q = self.arguments["q_length"]
             offset = self.arguments.get("q_offset", 0) + q - 1
-            self._rows["last"] = sdpa_mask(**{**self.arguments, "q_length": 1,
-                                              "q_offset": offset})
+            padding = {**self.arguments, "q_length": 1, "q_offset": offset, "local_size": None,
+                       "mask_function": causal_mask_function}
+            self._rows["last"] = sdpa_mask(**padding)
         return self._rows["last"]
 
     def full(self) -> torch.Tensor | None:

@@ -1,6 +1,7 @@
 """The packed KV cache (SPEC §2) as a transformers ``Cache``: one ``KVMixLayer`` per
-full-attention layer, transformers' own layers for the others, and the cache-wide figures
-(bytes held, bytes by the bit formula, bits per element)."""
+full-attention or sliding-window layer (the window's pages only), transformers' own layers for
+the others (chunked attention, ...), and the cache-wide figures (bytes held, bytes by the bit
+formula, bits per element)."""
 
 from __future__ import annotations
 
@@ -22,12 +23,15 @@ from kvmix.runtime.kernels import cpu, gpu
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 from kvmix.runtime.pool import FREE
 
-QUANTIZED_LAYER_TYPES = ("full_attention",)
+QUANTIZED_LAYER_TYPES = ("full_attention", "sliding_attention")
 FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
 
 
-def _max_pages(method: Method, max_batch: int | None, max_tokens: int | None) -> int | None:
-    """Pages a pool sized up front holds: every sequence's full groups at ``max_tokens``."""
+def _max_pages(method: Method, max_batch: int | None, max_tokens: int | None,
+               window: int | None = None) -> int | None:
+    """Pages a pool sized up front holds: every sequence's full groups at ``max_tokens`` (in a
+    sliding-window layer at most the pages that meet the window, twice: a commit seals new
+    pages before it releases old ones)."""
     if max_batch is None and max_tokens is None:
         return None
     if max_batch is None or max_tokens is None:
@@ -36,7 +40,10 @@ def _max_pages(method: Method, max_batch: int | None, max_tokens: int | None) ->
     for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
-    return max_batch * layout(method, max_tokens).blocks
+    blocks = layout(method, max_tokens).blocks
+    if window is not None:
+        blocks = min(blocks, 2 * (-(-(window - 1) // method.group) + 1))
+    return max_batch * blocks
 
 
 def model_spec(config: Any, pairs: torch.Tensor | None = None,
@@ -61,7 +68,8 @@ def model_spec(config: Any, pairs: torch.Tensor | None = None,
 
 
 class KVMixCache(Cache):
-    """A transformers Cache whose full-attention layers are packed by one kvmix method."""
+    """A transformers Cache whose attention layers (full and sliding-window) are packed by one
+    kvmix method."""
 
     def __init__(self, method: Method | str, config: Any, pairs: torch.Tensor | None = None,
                  kv_norms: torch.Tensor | None = None, folded: str | None = None,
@@ -82,19 +90,21 @@ class KVMixCache(Cache):
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
-        max_pages = _max_pages(self.method, max_batch, max_tokens)
+        _max_pages(self.method, max_batch, max_tokens)  # both or neither, before any layer
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
-            KVMixLayer(self.method, i, backend, max_batch, max_pages)
+            KVMixLayer(self.method, i, backend, max_batch,
+                       _max_pages(self.method, max_batch, max_tokens,
+                                  kwargs.get("sliding_window")), kwargs.get("sliding_window"))
             if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))
         ]
         other = sorted({k for k in layer_types if k not in QUANTIZED_LAYER_TYPES})
         if other:
-            warnings.warn(f"kvmix quantizes full-attention layers only; layers of kind {other} "
-                          "keep their ordinary full-precision cache", stacklevel=2)
+            warnings.warn(f"kvmix quantizes full-attention and sliding-window layers; layers of "
+                          f"kind {other} keep their ordinary full-precision cache", stacklevel=2)
         clear_pending()
         super().__init__(layers=layers)
 
@@ -104,7 +114,7 @@ class KVMixCache(Cache):
 
     @property
     def other_layers(self) -> list[CacheLayerMixin]:
-        """Layers kvmix does not pack (sliding window, ...) that hold tokens."""
+        """Layers kvmix does not pack (chunked attention, ...) that hold tokens."""
         return [layer for layer in self.layers if not isinstance(layer, KVMixLayer)
                 and getattr(layer, "keys", None) is not None]
 

@@ -80,10 +80,19 @@ class KVMixLayer(CacheLayerMixin):
     is_croppable = False
 
     def __init__(self, method: Method, layer_idx: int, backend: str = "torch",
-                 max_batch: int | None = None, max_pages: int | None = None):
+                 max_batch: int | None = None, max_pages: int | None = None,
+                 sliding_window: int | None = None):
+        """sliding_window: W of a sliding-window layer (each query sees itself and the W - 1
+        tokens before it; pages behind the window are released), None for full attention."""
         super().__init__()
+        if sliding_window is not None and (not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window={sliding_window!r} is invalid; expected an "
+                             "integer >= 1 or None")
         self.method = method
         self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
         self.backend = backend  # "torch" (the reference path), "cpu" or "triton" (fused ops)
         self.max_batch, self.max_pages = max_batch, max_pages
         self.reset()
@@ -222,7 +231,7 @@ class KVMixLayer(CacheLayerMixin):
     def reset(self) -> None:
         hint = (f" (raise max_tokens or max_batch of make_cache; layer {self.layer_idx})")
         self.pool = PagePool(self.max_pages, hint)
-        self.store = BatchStore(self.method, self.layer_idx, self.pool)
+        self.store = BatchStore(self.method, self.layer_idx, self.pool, self.sliding_window)
         self.pads: list[int] = []
         self.length = 0  # positions transformers sees, padding included
         self.staged = None
@@ -316,9 +325,11 @@ class KVMixLayer(CacheLayerMixin):
 
     def _attend_row(self, row: RowView, query: torch.Tensor, keys: torch.Tensor,
                     values: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The fused op for a few new queries over a history it can read, else the reference."""
+        """The fused op for a few new queries over a history it can read, all of it visible;
+        else the reference."""
         fused = FUSED.get(self.backend)
-        if fused and len(row) and query.shape[-2] <= fused.MAX_QUERIES:
+        if fused and len(row) and query.shape[-2] <= fused.MAX_QUERIES and not row.hides(
+                query.shape[-2]):
             view = None if row.blocks is None else self.method.kernel_view(
                 row.blocks, self.layer_idx, row.selection)
             if view is not None or row.blocks is None:

@@ -14,6 +14,14 @@ The storage is the batch's, not the sequence's:
   (``group``, less only after a crop) — the block table;
 * per row the prefill selection (PN-Mix masks, ...), each its own storage.
 
+A sliding-window layer (``window`` W: a query sees itself and the W - 1 tokens before it, as
+transformers' sliding layers) keeps the same segments but releases, after every commit, the
+pages the next query can no longer see (``dropped[b]``: tokens gone, between the sink and the
+first page); groups that would leave the window as soon as they are sealed are never encoded.
+What a query still holds but must not see — the sink and the front of the first page once the
+window has passed them, the oldest residual tokens when W is shorter than the residual — is
+masked: ``float_spans`` and ``skips`` for the fused kernels, ``positions`` for the reference.
+
 Token counts live on the host (they follow from the step count, so reading them costs no
 device sync). Flushes of every row that fills at a step are encoded in one ``encode`` call, and
 a prompt's full groups in one call for the whole batch. ``row(b)`` is a read-only view of one
@@ -43,8 +51,9 @@ class Placement:
 
     row: int
     sink: int  # tokens moved into the sink
-    blocks: int  # full groups sealed into pages
+    blocks: int  # full groups leaving the residual
     residual: int  # residual length afterwards
+    dropped: int = 0  # of ``blocks``, the leading ones already outside the window: not sealed
 
 
 def sealed_groups(method: Method, tokens: int) -> int:
@@ -56,15 +65,17 @@ def sealed_groups(method: Method, tokens: int) -> int:
 class BatchStore:
     """Float slots, block table and selections of every sequence of one layer."""
 
-    def __init__(self, method: Method, layer: int, pool: PagePool):
+    def __init__(self, method: Method, layer: int, pool: PagePool, window: int | None = None):
         self.method = method
         self.layer = layer
         self.pool = pool
+        self.window = window  # a sliding-window layer's W, or None (every token stays visible)
         self.keys = self.values = None  # [B, H, S + R, D]
         self.sink_len: list[int] = []
         self.res_len: list[int] = []
         self.pages: list[list[int]] = []  # page ids per row, in token order
         self.held: list[list[int]] = []  # tokens held per page
+        self.dropped: list[int] = []  # tokens of pages released behind the window, per row
         self.selections: list[Any] = []  # per row, batch dimension 1 (None before prefill)
         self.prefilled: list[bool] = []
         # bumped when selections (or the rows) change, and when the block table changes: the
@@ -79,6 +90,7 @@ class BatchStore:
         self.values = like.new_zeros(batch, heads, slots, dim)
         self.sink_len, self.res_len = [0] * batch, [0] * batch
         self.pages, self.held = [[] for _ in range(batch)], [[] for _ in range(batch)]
+        self.dropped = [0] * batch
         self.selections, self.prefilled = [None] * batch, [False] * batch
         self.version += 1
         self.table_version += 1
@@ -88,7 +100,22 @@ class BatchStore:
         return len(self.sink_len)
 
     def tokens(self, b: int) -> int:
+        """Tokens row ``b`` holds."""
         return self.sink_len[b] + sum(self.held[b]) + self.res_len[b]
+
+    def seen(self, b: int) -> int:
+        """Tokens row ``b`` has committed: held and released."""
+        return self.tokens(b) + self.dropped[b]
+
+    def visible_from(self, b: int) -> int:
+        """The first position the newest held token of row ``b`` sees (0 without a window)."""
+        return 0 if self.window is None else max(self.seen(b) - self.window, 0)
+
+    def positions(self, b: int, device: torch.device) -> torch.Tensor:
+        """Positions of the tokens row ``b`` holds, in history order (sink, pages, residual)."""
+        sink = self.sink_len[b]
+        return torch.cat([torch.arange(sink, device=device),
+                          torch.arange(sink + self.dropped[b], self.seen(b), device=device)])
 
     def row(self, b: int) -> RowView:
         return RowView(self, b)
@@ -100,7 +127,7 @@ class BatchStore:
         the cache's key space) and queries [1, Hq, n, D]. Selects at a row's first tokens, fills
         sinks, and seals every full group of every row in one ``encode`` call."""
         plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in enumerate(new)]
-        self.pool.reserve(sum(p.blocks for p in plans))  # refuse before anything changes
+        self.pool.reserve(sum(p.blocks - p.dropped for p in plans))  # refuse before any change
         sealed = []
         for plan, (keys, values, queries) in zip(plans, new, strict=True):
             if keys.shape[-2]:
@@ -110,6 +137,7 @@ class BatchStore:
             rows, keys, values = zip(*sealed, strict=True)
             self._seal(list(rows), [k.shape[0] for k in keys], torch.cat(keys),
                        torch.cat(values))
+        self._slide(range(self.batch))
 
     def _place(self, b: int, n: int) -> Placement:
         """The flush rule in closed form for ``n`` more tokens of row ``b``."""
@@ -118,7 +146,12 @@ class BatchStore:
         into_sink = min(max(room, 0), self.res_len[b] + n)
         rest = self.res_len[b] + n - into_sink
         blocks = sealed_groups(m, rest)
-        return Placement(b, into_sink, blocks, rest - blocks * m.group)
+        dropped = 0
+        if self.window is not None:  # groups whose last token the next query cannot see
+            start = self.sink_len[b] + into_sink + self.dropped[b] + sum(self.held[b])
+            edge = self.seen(b) + n - self.window + 1  # the next query's first visible position
+            dropped = min(max((edge - start) // m.group, 0), blocks)
+        return Placement(b, into_sink, blocks, rest - blocks * m.group, dropped)
 
     def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
         """Row ``plan.row``'s residual and new tokens ([H, n, D]) into sink, groups to seal (->
@@ -135,10 +168,14 @@ class BatchStore:
         self.keys[b, :, s : s + plan.residual] = keys[:, tail]
         self.values[b, :, s : s + plan.residual] = values[:, tail]
         self.res_len[b] = plan.residual
-        if not plan.blocks:
+        if plan.dropped:  # past the window at once: the pages before them go too
+            self._release_front(b, len(self.pages[b]))
+            self.dropped[b] += plan.dropped * m.group
+        if plan.blocks == plan.dropped:
             return []
-        blocks = [x[:, plan.sink : cut].unflatten(1, (plan.blocks, m.group)).transpose(0, 1)
-                  for x in (keys, values)]  # [n_blocks, H, G, D]
+        first = plan.sink + plan.dropped * m.group
+        blocks = [x[:, first:cut].unflatten(1, (plan.blocks - plan.dropped, m.group))
+                  .transpose(0, 1) for x in (keys, values)]  # [n_blocks, H, G, D]
         return [(b, *blocks)]
 
     def _observe(self, b: int, keys: torch.Tensor, values: torch.Tensor,
@@ -191,11 +228,15 @@ class BatchStore:
 
     def flush(self) -> None:
         """Seal the oldest group of every row whose residual is full, in one ``encode`` call
-        (no host sync: the step's tokens were validated on the device, ``peak``)."""
+        (no host sync: the step's tokens were validated on the device, ``peak``); then release
+        the pages the next query of a sliding-window layer cannot see."""
+        full = [b for b in range(self.batch) if self.res_len[b] >= self.method.residual]
+        if full:
+            self._seal_oldest(full)
+        self._slide(range(self.batch))
+
+    def _seal_oldest(self, full: list[int]) -> None:
         m, s = self.method, self.method.sink
-        full = [b for b in range(self.batch) if self.res_len[b] >= m.residual]
-        if not full:
-            return
         self.pool.reserve(len(full))
         index = torch.tensor(full, device=self.keys.device)
         keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
@@ -206,6 +247,29 @@ class BatchStore:
             self.res_len[b] -= m.group
         oldest = slice(s, s + m.group)  # [n, H, G, D]
         self._seal(full, [1] * len(full), keys[:, :, oldest], values[:, :, oldest], check=False)
+
+    # -- the window ----------------------------------------------------------------------------
+
+    def _slide(self, rows) -> None:
+        """Release the leading pages of ``rows`` that the next query of a sliding-window layer
+        cannot see (their last token is before its window)."""
+        if self.window is None:
+            return
+        for b in rows:  # one comparison per row unless a page goes
+            edge = self.seen(b) - self.window + 1
+            start, count = self.sink_len[b] + self.dropped[b], 0
+            for held in self.held[b]:
+                if start + held > edge:
+                    break
+                start, count = start + held, count + 1
+            self._release_front(b, count)
+
+    def _release_front(self, b: int, count: int) -> None:
+        if count:
+            self.pool.release(self.pages[b][:count])
+            self.dropped[b] += sum(self.held[b][:count])
+            self.pages[b], self.held[b] = self.pages[b][count:], self.held[b][count:]
+            self.table_version += 1
 
     # -- sealing -------------------------------------------------------------------------------
 
@@ -235,14 +299,32 @@ class BatchStore:
     # -- reading -------------------------------------------------------------------------------
 
     def float_spans(self) -> list[tuple[int, int, int, int]]:
-        """Per row (sink start, sink length, residual start, residual length) in the slots."""
-        s = self.method.sink
-        return [(0, self.sink_len[b], s, self.res_len[b]) for b in range(self.batch)]
+        """Per row (sink start, sink length, residual start, residual length) in the slots:
+        what the newest held token sees."""
+        s, spans = self.method.sink, []
+        for b in range(self.batch):
+            edge, sink, residual = self.visible_from(b), self.sink_len[b], self.res_len[b]
+            hidden_sink = min(edge, sink)
+            hidden_residual = min(max(edge - (self.seen(b) - residual), 0), residual)
+            spans.append((hidden_sink, sink - hidden_sink, s + hidden_residual,
+                          residual - hidden_residual))
+        return spans
+
+    def skips(self) -> list[int]:
+        """Per row, tokens at the front of its first page the newest held token cannot see."""
+        return [min(max(self.visible_from(b) - self.sink_len[b] - self.dropped[b], 0),
+                    self.held[b][0]) if self.held[b] else 0 for b in range(self.batch)]
 
     # -- editing -------------------------------------------------------------------------------
 
     def truncate(self, b: int, length: int) -> None:
         """Keep row ``b``'s first ``length`` real tokens, in order."""
+        if self.dropped[b]:
+            if length < self.sink_len[b] + self.dropped[b]:
+                raise ValueError(f"cannot keep {length} tokens of a sliding-window layer: the "
+                                 f"window has released tokens {self.sink_len[b]} to "
+                                 f"{self.sink_len[b] + self.dropped[b] - 1}")
+            length -= self.dropped[b]
         self.sink_len[b] = min(length, self.sink_len[b])
         left = length - self.sink_len[b]
         held: list[int] = []
@@ -277,7 +359,7 @@ class BatchStore:
             selections.append(map_tensors(selection, torch.clone) if b in used else selection)
             used.add(b)
         self.selections = selections
-        for name in ("sink_len", "res_len", "prefilled"):
+        for name in ("sink_len", "res_len", "prefilled", "dropped"):
             setattr(self, name, [getattr(self, name)[b] for b in index])
         self.held = [list(self.held[b]) for b in index]
         self.version += 1
@@ -327,6 +409,16 @@ class RowView:
 
     def __len__(self) -> int:
         return self.store.tokens(self.b)
+
+    @property
+    def seen(self) -> int:
+        """Tokens committed (held, and released behind a sliding window)."""
+        return self.store.seen(self.b)
+
+    def hides(self, queries: int) -> bool:
+        """Whether a sliding window hides a held token from one of ``queries`` new queries."""
+        window = self.store.window
+        return window is not None and self.seen + queries > window
 
     @property
     def sink_keys(self) -> torch.Tensor:  # [1, H, s, D]

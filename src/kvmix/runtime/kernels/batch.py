@@ -65,8 +65,14 @@ def table(store: BatchStore) -> Table:
 
 def spans(store: BatchStore) -> torch.Tensor:
     """Per sequence (sink start, sink length, residual start, residual length) in the float
-    slots: [B, 4] int64 on the store's device."""
+    slots, what its newest token sees: [B, 4] int64 on the store's device."""
     return _tensor(store.float_spans(), store.keys.device)
+
+
+def skips(store: BatchStore) -> torch.Tensor | None:
+    """Per sequence, tokens at the front of its first page a sliding window hides: [B] int64
+    on the store's device; None for a full-attention layer."""
+    return None if store.window is None else _tensor(store.skips(), store.keys.device)
 
 
 def _pool_view(store: BatchStore) -> PoolView | None:

@@ -342,6 +342,7 @@ struct Stats {  // per-token groups: codes [n, H, G, J, group], (scale, min) [n,
 struct Packed {
   int64_t blocks = 0, group = 0;
   const int64_t* lengths = nullptr;  // tokens held per block
+  int64_t skip = 0;                  // tokens at the front of block 0 a sliding window hides
   const int64_t* pages = nullptr;    // block n's page in the pool (null: block n itself)
   int key_mode = 0;                  // 1 channel planes, 2 per-token groups
   std::vector<Plane> planes;
@@ -448,6 +449,9 @@ class Task {
       channel_scores(u.block, out);
     else
       token_scores(u.block, out);
+    if (u.segment < 0 && u.block == 0)
+      for (int64_t r = 0; r < p_.rows; ++r)
+        std::fill(out + r * total_, out + r * total_ + p_.packed.skip, NEG_INF);
   }
 
   void values(const Unit& u, const float* weights, float* acc) {
@@ -875,7 +879,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& key_codes, int64_t key_bits, int64_t key_group,
                     const std::optional<Tensor>& value_codes, int64_t value_bits,
                     int64_t value_group, const std::optional<Tensor>& value_scale,
-                    const std::optional<Tensor>& value_min) {
+                    const std::optional<Tensor>& value_min, const std::optional<Tensor>& skip) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -889,6 +893,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
             counts.numel() == S, "the block table must be pages, held [S, M] and counts [S]");
   const int64_t* span = data<int64_t>(spans, "spans");
   const int64_t* count = data<int64_t>(counts, "counts");
+  check(!skip.has_value() || (skip->dim() == 1 && skip->size(0) == S), "skip must be [S]");
+  const int64_t* hidden = skip.has_value() ? data<int64_t>(*skip, "skip") : nullptr;
   const int64_t M = pages.size(1);
   const float* keys = data<float>(slot_keys, "slot keys");
   const float* values = data<float>(slot_values, "slot values");
@@ -920,13 +926,17 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
     const int64_t* ids = data<int64_t>(pages, "pages") + s * M;
     const int64_t* tokens = data<int64_t>(held, "held") + s * M;
+    const int64_t front = hidden ? hidden[s] : 0;
+    check(front == 0 || (count[s] > 0 && front > 0 && front <= tokens[0]),
+          "skip must lie in the sequence's first page");
     for (int64_t n = 0; floats && n < count[s]; ++n) {  // a float page is a float segment
       check(ids[n] >= 0 && ids[n] < page_keys->size(0) && tokens[n] >= 0 && tokens[n] <= group,
             "the block table names a page outside the pool, or more tokens than a group");
-      const int64_t at = ids[n] * H * group * D;
-      p.segments.push_back({data<float>(*page_keys, "page keys") + at,
-                            data<float>(*page_values, "page values") + at, 1, tokens[n], false,
-                            group * D});
+      const int64_t cut = n == 0 ? front : 0, at = (ids[n] * H * group + cut) * D;
+      if (tokens[n] > cut)
+        p.segments.push_back({data<float>(*page_keys, "page keys") + at,
+                              data<float>(*page_values, "page values") + at, 1, tokens[n] - cut,
+                              false, group * D});
     }
     if (!packed || count[s] == 0) continue;
     for (int64_t n = 0; n < count[s]; ++n)
@@ -937,6 +947,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     p.packed.blocks = count[s];
     p.packed.lengths = tokens;
     p.packed.pages = ids;
+    p.packed.skip = front;
     for (size_t i = 0; i < p.packed.planes.size(); ++i) {
       Plane& plane = p.packed.planes[i];
       const int64_t each = plane_index[i].size(0) == S ? H * plane.channels : 0;
@@ -964,7 +975,7 @@ TORCH_LIBRARY(kvmix, m) {
       "int[] plane_bits, Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, "
       "Tensor? key_min, Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, "
       "Tensor? value_codes, int value_bits, int value_group, Tensor? value_scale, "
-      "Tensor? value_min) -> Tensor");
+      "Tensor? value_min, Tensor? skip=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {

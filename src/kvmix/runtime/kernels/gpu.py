@@ -118,8 +118,8 @@ def _slot_partial(store: BatchStore, grouped: torch.Tensor):
     spans = batch.spans(store)  # [B, 4] on the device
     slots = store.keys.shape[2]
     position = torch.arange(slots, device=grouped.device)
-    valid = (position < spans[:, 1:2]) | ((position >= spans[:, 2:3])
-                                          & (position < spans[:, 2:3] + spans[:, 3:4]))
+    valid = ((position >= spans[:, 0:1]) & (position < spans[:, 0:1] + spans[:, 1:2])) | (
+        (position >= spans[:, 2:3]) & (position < spans[:, 2:3] + spans[:, 3:4]))
     scores = grouped @ store.keys.float().transpose(-1, -2)  # [B, H, R, T]
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
     top = scores.amax(-1)
@@ -144,7 +144,9 @@ def _page_partials(store: BatchStore, pool: batch.PoolView, grouped: torch.Tenso
     sizes = {"G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
              "BLOCK_D": _pow2(dim), "PRECISION": precision}
     grid = (rows * heads, splits)
-    table_args = (grouped, table.pages, table.held, table.counts, table.width)
+    skip = batch.skips(store)
+    skip = torch.zeros_like(table.counts) if skip is None else skip
+    table_args = (grouped, table.pages, table.held, table.counts, skip, table.width)
     if isinstance(view.keys, ChannelKeys):
         _channel_pages[grid](*table_args, *_plane_arguments(view.keys, pool, group), *common,
                              NPLANES=len(view.keys.planes), **sizes)
@@ -471,15 +473,17 @@ if triton is not None:
         return scores
 
     @triton.jit
-    def _absorb(scores, length, running, mass, out, codes, scale, minimum, block_bytes, width,
-                low_width, GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
+    def _absorb(scores, first, length, running, mass, out, codes, scale, minimum, block_bytes,
+                width, low_width, GROUP: tl.constexpr, BITS: tl.constexpr,
+                SYMMETRIC: tl.constexpr,
                 page, head, heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-        """One page into the online softmax: its scores [R, G] (masked past ``length`` held
-        tokens) and p·V from its value codes -> the running (max, sum, acc)."""
+        """One page into the online softmax: its scores [R, G] (masked before ``first``, a
+        sliding window's edge, and past ``length`` held tokens) and p·V from its value codes
+        -> the running (max, sum, acc)."""
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_G)
-        seen = (r[:, None] < rows) & (t[None, :] < length)
+        seen = (r[:, None] < rows) & (t[None, :] >= first) & (t[None, :] < length)
         scores = tl.where(seen, scores, float("-inf"))
         peak = tl.maximum(running, tl.max(scores, axis=1))
         safe = tl.where(peak == float("-inf"), 0.0, peak)
@@ -503,7 +507,7 @@ if triton is not None:
                  mask=(r[:, None] < rows) & (d[None, :] < dim))
 
     @triton.jit
-    def _channel_pages(query, pages, held, counts, width, key_scale, key_min, offset,
+    def _channel_pages(query, pages, held, counts, skip, width, key_scale, key_min, offset,
                        c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
                        c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
                        c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
@@ -531,17 +535,18 @@ if triton is not None:
                                      c3, i3, m3, n3, b3, w3, l3, BITS3, C3,
                                      NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                      BLOCK_D, PRECISION)
-            running, mass, out = _absorb(scores, tl.load(held + seq * width + n), running,
-                                         mass, out, values, v_scale, v_min, v_bytes, v_width,
-                                         v_low, V_GROUP, V_BITS, V_SYMMETRIC, page, head,
-                                         heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
+            hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
+            running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
+                                         running, mass, out, values, v_scale, v_min, v_bytes,
+                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, page,
+                                         head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
                                          PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
               dim, BLOCK_R, BLOCK_D)
 
     @triton.jit
-    def _token_pages(query, pages, held, counts, width, keys, k_scale, k_min, k_bytes, k_width,
-                     k_low, K_GROUP: tl.constexpr, K_BITS: tl.constexpr,
+    def _token_pages(query, pages, held, counts, skip, width, keys, k_scale, k_min, k_bytes,
+                     k_width, k_low, K_GROUP: tl.constexpr, K_BITS: tl.constexpr,
                      K_SYMMETRIC: tl.constexpr, values, v_scale, v_min, v_bytes, v_width,
                      v_low, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
                      V_SYMMETRIC: tl.constexpr, acc, top, total, heads, rows, dim, per_split,
@@ -563,10 +568,11 @@ if triton is not None:
             k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
                             k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
-            running, mass, out = _absorb(scores, tl.load(held + seq * width + n), running,
-                                         mass, out, values, v_scale, v_min, v_bytes, v_width,
-                                         v_low, V_GROUP, V_BITS, V_SYMMETRIC, page, head,
-                                         heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
+            hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
+            running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
+                                         running, mass, out, values, v_scale, v_min, v_bytes,
+                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, page,
+                                         head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
                                          PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
               dim, BLOCK_R, BLOCK_D)
