@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,6 +319,33 @@ def test_lm_eval_builds_the_adapter_from_its_argument_string_with_its_device(rea
     assert lm.method == "kivi2" and lm.device.type == "cpu"
     assert lm.model.dtype == torch.bfloat16 and lm.model.device.type == "cpu"
     assert lm.continuation_logprobs(list(range(5, 45)), 8).shape == (8, len(real_model.tokenizer))
+
+
+def test_lm_evals_own_command_line_runs_the_kvmix_model_on_its_device_and_dtype(real_model,
+                                                                                tmp_path):
+    """``kvmix-lm-eval`` is lm-eval's CLI (its arguments, its results file) with ``kvmix``
+    registered and kvmix's tasks included: a tiny model with the real tokenizer, bfloat16 on the
+    CPU, two passkey documents."""
+    pytest.importorskip("lm_eval")
+    from conftest import tiny_llama
+
+    model = tmp_path / "model"
+    tiny_llama(vocab_size=len(real_model.tokenizer)).save_pretrained(model)
+    real_model.tokenizer.save_pretrained(model)
+    script = Path(sys.executable).with_name("kvmix-lm-eval")
+    command = [str(script), "--model", "kvmix", "--model_args",
+               f"pretrained={model},method=pnmix1,dtype=bfloat16", "--device", "cpu", "--tasks",
+               "kvmix_passkey", "--limit", "2", "--metadata", '{"max_seq_lengths": [256]}',
+               "--output_path", str(tmp_path / "out")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
+    config = saved["config"]
+    assert (config["model"], config["model_dtype"], config["model_device"]) == (
+        "kvmix", "torch.bfloat16", "cpu")
+    assert config["kvmix_method"].startswith("PNMix(") and config["kvmix_backend"] == "cpu"
+    assert saved["n-samples"]["kvmix_passkey"]["effective"] == 2
+    assert "acc,none" in saved["results"]["kvmix_passkey"]
 
 
 def test_eval_smoke_passkey_limit_one(real_model, tmp_path):

@@ -10,22 +10,33 @@ of ``chunk`` tokens (1 = exact decode semantics). Generation requests pass the c
     from kvmix.evaluation.harness import KVMixLM
     lm_eval.simple_evaluate(model=KVMixLM(method="pnmix1"), tasks=["kvmix_passkey"],
                             task_manager=task_manager(), limit=4)
+
+From lm-eval's own command line — released lm-eval (0.4.13 and before) finds models only in
+its own source tree, so ``kvmix-lm-eval`` is lm-eval's CLI with ``kvmix`` registered and
+kvmix's tasks on the include path; every argument is lm-eval's:
+
+    kvmix-lm-eval --model kvmix --model_args method=pnmix1,dtype=float32 --device cpu \
+        --tasks kvmix_passkey --limit 2
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
+from lm_eval.__main__ import cli_evaluate
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
+import kvmix
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, max_positions
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.kernels import resolve
 
 TASKS = Path(__file__).with_name("tasks")
 LOCAL_TASKS = ("kvmix_passkey", "niah_single_1", "ruler_vt")
@@ -55,7 +66,18 @@ class KVMixLM(HFLM):
                          device=str(runner.device), **kwargs)
         # HFLM's own ``backend`` attribute is "causal"/"seq2seq": kvmix's is ``kv_backend``
         self.method, self.kv_backend, self.chunk = method, backend, chunk
+        self.source = loaded.source
         self.peak_nbytes = 0
+
+    def get_model_info(self) -> dict:
+        """What lm-eval records in its results' config: the model as loaded and the cache (no
+        hub lookup: HFLM's asks the hub for a commit hash)."""
+        return {"model_num_parameters": self.model.num_parameters(),
+                "model_dtype": str(self.model.dtype), "model_device": str(self.model.device),
+                "model_source": self.source, "kvmix_version": kvmix.__version__,
+                "kvmix_method": str(parse_method(self.method)),
+                "kvmix_backend": resolve(self.kv_backend, self.model.device),
+                "kvmix_chunk": self.chunk}
 
     def _fresh_cache(self):
         return make_cache(self.model, self.method, self.kv_backend)
@@ -99,6 +121,16 @@ class KVMixLM(HFLM):
                                       **generation_kwargs)
         self._record(cache)
         return out
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """``kvmix-lm-eval``: lm-eval's own command line, with the ``kvmix`` model registered (this
+    module) and kvmix's tasks on ``--include_path`` (unless one is given)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--include_path" or a.startswith("--include_path=") for a in argv):
+        argv += ["--include_path", str(TASKS)]
+    sys.argv = ["lm-eval", *argv]
+    cli_evaluate()
 
 
 def task_manager(tokenizer_folder: str | None = None, lengths: list[int] | None = None

@@ -56,7 +56,7 @@ def resolve_dtype(dtype: str, device: str, checkpoint: torch.dtype | None = None
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
     """Load a causal LM and its tokenizer in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # kvmix shows its own progress
@@ -65,12 +65,21 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cp
     extra = {"gguf_file": gguf} if gguf else {}
     checkpoint = checkpoint_dtype(folder, **extra) if dtype == "auto" else None
     torch_dtype = resolve_dtype(dtype, device, checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(folder, **extra)
+    tokenizer = load_tokenizer(name)
     with terminal_only_progress():  # the GGUF conversion's bar: on a terminal only
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
     model.to(device).eval()
     source = str(Path(folder) / gguf) if gguf else folder
     return LoadedModel(model, tokenizer, name, source, torch_dtype)
+
+
+def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
+    """The tokenizer of a model kvmix loads by ``name`` (the default model, a GGUF file, a
+    folder)."""
+    from transformers import AutoTokenizer
+
+    folder, gguf = _locate(name)
+    return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
 
 
 @contextmanager
