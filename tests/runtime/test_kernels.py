@@ -221,3 +221,9 @@ def test_the_batched_op_refuses_a_table_outside_the_pool(built):
             (table.pages, table.held, table.counts + 99, "counts must be within")]:
         with pytest.raises(RuntimeError, match=message):
             torch.ops.kvmix.decode_batch(*head, pages, held, counts, *pool)
+    for skip, message in [(torch.tensor([1]), r"skip must be \[S\]"),
+                          (torch.tensor([-1, 0]), "skip must lie in the sequence's first page"),
+                          (torch.tensor([0, 99]), "skip must lie in the sequence's first page")]:
+        with pytest.raises(RuntimeError, match=message):
+            torch.ops.kvmix.decode_batch(*head, table.pages, table.held, table.counts, *pool,
+                                         skip=skip)
