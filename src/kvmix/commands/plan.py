@@ -148,8 +148,8 @@ def _speedups(rows: list[dict]) -> None:
     full = next((r for r in rows if r["method"] == "full"), None)
     for row in rows:
         reference = full["est_tokens_per_s_max_batch"] if full else 0
-        row["est_speedup_vs_full"] = (row["est_tokens_per_s_max_batch"] / reference
-                                      if reference else None)
+        mine = row["est_tokens_per_s_max_batch"]
+        row["est_speedup_vs_full"] = mine / reference if reference and mine is not None else None
 
 
 def _curves(methods, arch, config, dtype, overhead) -> dict[str, list[tuple[float, float]]]:

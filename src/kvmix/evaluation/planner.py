@@ -157,8 +157,11 @@ def max_tokens(method: Method, arch: Architecture, batch: int, prompt: int, weig
 
 
 def roofline(plan: Planned, arch: Architecture, batch: int, context: int,
-             bandwidth: float, flops: float) -> float:
-    """Estimated decode tokens/s: batch / max(bytes read / bandwidth, FLOPs / compute)."""
+             bandwidth: float, flops: float) -> float | None:
+    """Estimated decode tokens/s: batch / max(bytes read / bandwidth, FLOPs / compute); None
+    where the device's bandwidth and compute are unknown (a bare ``--memory``)."""
+    if not bandwidth or not flops:
+        return None
     if batch < 1:
         return 0.0
     cached = arch.layers * 2 * arch.kv_heads * arch.head_dim * context  # elements per sequence
