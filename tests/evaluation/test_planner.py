@@ -189,3 +189,14 @@ def test_the_command_writes_rows_and_a_capacity_plot(tmp_path):
     assert not full["fits"] and pnmix["fits"] and pnmix["max_batch"] > 32 > full["max_batch"]
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
     assert "qwen3-8b" in bundled() and saved["architecture"]["layers"] == 36
+
+
+def test_a_bare_memory_size_plans_bytes_and_makes_no_speed_estimate(capsys):
+    """``--memory`` names no device: no bandwidth or FLOPs to estimate speed from (once a
+    division by zero), so the speed columns are empty while the sizes are planned."""
+    from kvmix.commands.plan import PlanConfig, run_plan
+
+    rows = run_plan(PlanConfig(model="gemma-3-27b", methods=["full", "kivi2"], batch=8,
+                               prompt=0, tokens=32768, memory="80GB"))
+    assert [r["est_tokens_per_s_max_batch"] for r in rows] == [None, None]
+    assert rows[1]["max_batch"] > 4 * rows[0]["max_batch"] > 0
