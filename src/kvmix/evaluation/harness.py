@@ -31,7 +31,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
-import kvmix
+from kvmix.evaluation.report import versions
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, max_positions
 from kvmix.runtime.attention import make_cache
@@ -74,7 +74,7 @@ class KVMixLM(HFLM):
         hub lookup: HFLM's asks the hub for a commit hash)."""
         return {"model_num_parameters": self.model.num_parameters(),
                 "model_dtype": str(self.model.dtype), "model_device": str(self.model.device),
-                "model_source": self.source, "kvmix_version": kvmix.__version__,
+                "model_source": self.source, "kvmix_versions": versions(),
                 "kvmix_method": str(parse_method(self.method)),
                 "kvmix_backend": resolve(self.kv_backend, self.model.device),
                 "kvmix_chunk": self.chunk}
