@@ -77,6 +77,9 @@ def test_the_op_bench_times_synthetic_caches_beside_sdpa_and_the_float_kernel(tm
             row = rows[name, batch]
             read = float_bytes if name == "sdpa" else row["nbytes"]
             assert row["gb_per_s"] == pytest.approx(read / row["us_per_step"] / 1e3)
+            copy = rows["sdpa", 1]["copy_gb_per_s"] * 1e9  # measured once per run
+            assert row["limit_us"] == pytest.approx(1e6 * read / copy)
+            assert row["of_limit"] == pytest.approx(row["limit_us"] / row["us_per_step"])
             assert row["vs_sdpa"] == pytest.approx(rows["sdpa", batch]["us_per_step"] /
                                                    row["us_per_step"])
         assert rows["sdpa", batch]["encode_us"] is None  # nothing to encode

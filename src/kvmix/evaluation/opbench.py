@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmix.core.quantizers import fused_encoding
+from kvmix.evaluation.resources import memory_bandwidth
 from kvmix.models.loading import attention_config
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.layer import take_pending
@@ -75,8 +76,9 @@ class Candidate:
 
 def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], batches: list[int],
         dtype: torch.dtype, device: torch.device, steps: int, rounds: int) -> list[dict]:
-    """Rows per (context, batch): SDPA, then every method (``full`` first), side by side."""
-    rows = []
+    """Rows per (context, batch): SDPA, then every method (``full`` first), side by side, each
+    beside the time its bytes need at the device's measured copy bandwidth."""
+    rows, bandwidth = [], memory_bandwidth(device=str(device))
     names = list(dict.fromkeys(["full", *methods]))
     for context in contexts:
         for batch in batches:
@@ -87,7 +89,7 @@ def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], bat
             for _ in range(rounds):
                 for candidate in candidates:
                     candidate.seconds.append(_timed(candidate.step, steps, device))
-            rows += _rows(candidates, context, batch)
+            rows += _rows(candidates, context, batch, bandwidth)
             del candidates
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -166,11 +168,17 @@ def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def _rows(candidates: list[Candidate], context: int, batch: int) -> list[dict]:
+def _rows(candidates: list[Candidate], context: int, batch: int,
+          bandwidth: float) -> list[dict]:
+    """``limit_us``: a step's bytes at ``bandwidth`` (bytes/s the memory moves in a copy, read
+    and write together); ``of_limit``: the fraction of that limit the step reaches."""
     us = {c.method: 1e6 * statistics.median(c.seconds) for c in candidates}
     return [{"method": c.method, "backend": c.backend, "context": context, "batch": batch,
              "us_per_step": us[c.method],
              "gb_per_s": c.read_bytes / us[c.method] / 1e3,
+             "limit_us": 1e6 * c.read_bytes / bandwidth,
+             "of_limit": 1e6 * c.read_bytes / bandwidth / us[c.method],
+             "copy_gb_per_s": bandwidth / 1e9,
              "vs_sdpa": us["sdpa"] / us[c.method], "vs_float_kernel": us["full"] / us[c.method],
              "nbytes": c.nbytes, "encode_us": c.encode_us} for c in candidates]
 

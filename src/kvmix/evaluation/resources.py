@@ -73,18 +73,28 @@ class PeakMemory:
             time.sleep(self.interval)
 
 
-def memory_bandwidth(megabytes: int = 256, repeats: int = 5) -> float:
-    """This machine's copy bandwidth, bytes/s (read + write), the best of a few large copies."""
+def memory_bandwidth(megabytes: int = 256, repeats: int = 5, device: str = "cpu") -> float:
+    """The copy bandwidth of ``device``'s memory, bytes/s (read + write), the best of a few
+    large copies."""
     import torch
 
-    source = torch.ones(megabytes * 2**20 // 4)
+    source = torch.ones(megabytes * 2**20 // 4, device=device)
     target = torch.empty_like(source)
     best = float("inf")
     for _ in range(repeats):
+        _synchronize(device)
         start = time.perf_counter()
         target.copy_(source)
+        _synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * source.nbytes / best
+
+
+def _synchronize(device: str) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def matmul_flops(size: int = 1024, repeats: int = 5) -> float:
