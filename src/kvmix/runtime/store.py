@@ -302,6 +302,8 @@ class BatchStore:
         """Per row (sink start, sink length, residual start, residual length) in the slots:
         what the newest held token sees."""
         s, spans = self.method.sink, []
+        if self.window is None:  # every decode step: no per-row count of held tokens
+            return [(0, self.sink_len[b], s, self.res_len[b]) for b in range(self.batch)]
         for b in range(self.batch):
             edge, sink, residual = self.visible_from(b), self.sink_len[b], self.res_len[b]
             hidden_sink = min(edge, sink)
