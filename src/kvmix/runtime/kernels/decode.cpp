@@ -20,7 +20,7 @@
 // merge. Built without -ffast-math: masked scores are -inf and must stay so.
 
 #include <ATen/Parallel.h>
-#if defined(__F16C__) || defined(__AVX2__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <ATen/core/Tensor.h>
@@ -254,12 +254,219 @@ DotsFn dots_for(int64_t n, int bits) {
   }
 }
 
+// ---- integer dot products (AVX-512 VNNI and VBMI) ---------------------------------------------
+//
+// Σ_k w[r][k]·code_k[n] over K packed rows (key channels of a block, or tokens of a value group)
+// for RB weight rows at once, N codes per packed row. The float weights of each row are rounded
+// once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight rounded to a
+// step of 1/32512 of the row's largest (16-bit precision; the only error the integer path adds
+// to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
+// 4 products, so a code vector holds, for 16 consecutive outputs n, the codes of 4 rows (one
+// byte each). It is built from the packed rows with one byte permutation (vpermb) and a shift
+// and mask per lane: code n of a row lies in byte n mod W at shift (n div W)·BITS.
+#if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#define KVMIX_VNNI 1
+
+constexpr float LO_STEP = 1.f / 256.f;
+
+// Weights [RB, ld] (the first K of each row) -> two int8 planes [RB, Kp] (zero past K) and α:
+// X = round(256·w/α) in [-32512, 32512], hi = round(X / 256), lo = X - 256·hi in [-128, 127].
+void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi, int8_t* lo,
+                   float* alpha) {
+  for (int r = 0; r < RB; ++r) {
+    const float* row = w + r * ld;
+    __m512 top = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
+    if (k < K)
+      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (K - k)) - 1),
+                                                                    row + k)));
+    const float largest = _mm512_reduce_max_ps(top);
+    alpha[r] = largest / 127.f;
+    const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 256.f * 127.f / largest : 0.f);
+    const __m512i half = _mm512_set1_epi32(128);
+    for (k = 0; k < Kp; k += 16) {
+      const int64_t left = std::max<int64_t>(K - k, 0);
+      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + k),
+                                                         inverse));
+      const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(x, half), 8);
+      const __m512i l = _mm512_sub_epi32(x, _mm512_slli_epi32(h, 8));
+      const __m128i h8 = _mm512_cvtepi32_epi8(h), l8 = _mm512_cvtepi32_epi8(l);
+      if (Kp - k >= 16) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r * Kp + k), h8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + r * Kp + k), l8);
+      } else {
+        const __mmask16 store = __mmask16((1u << (Kp - k)) - 1);
+        _mm_mask_storeu_epi8(hi + r * Kp + k, store, h8);
+        _mm_mask_storeu_epi8(lo + r * Kp + k, store, l8);
+      }
+    }
+  }
+}
+
+// Per (N, BITS): the vpermb indices that put byte p mod P (P = min(W, 16)) of each of 4 rows
+// laid P bytes apart into lane p, and for each code vector m the lane shifts (16-bit counts)
+// that bring code 16m+p of a row, at shift ((16m+p) div W)·BITS in its byte, to the bottom.
+template <int N, int BITS>
+struct Layout {
+  static constexpr int W = N * BITS / 8, P = W < 16 ? W : 16, M = N / 16;
+  alignas(64) uint8_t index[64];
+  alignas(64) uint16_t shift[M][32];
+  constexpr Layout() : index{}, shift{} {
+    for (int p = 0; p < 16; ++p) {
+      for (int k = 0; k < 4; ++k) index[p * 4 + k] = uint8_t(k * P + p % P);
+      for (int m = 0; m < M; ++m)
+        shift[m][2 * p] = shift[m][2 * p + 1] = uint16_t((16 * m + p) / W * BITS);
+    }
+  }
+};
+template <int N, int BITS>
+constexpr Layout<N, BITS> LAYOUT{};
+
+// The bytes of 4 packed rows (W bytes each, `stride` apart; rows at and past `valid` read as
+// zero) that hold codes [16m, 16m+16), interleaved: lane p holds byte p mod P of rows 0..3.
+template <int N, int BITS>
+inline __m512i gather_rows(const uint8_t* rows, int64_t stride, int valid, int m) {
+  constexpr int W = N * BITS / 8;
+  __m512i src;
+  if constexpr (W <= 16) {  // 4 rows of W bytes side by side
+    if (stride == W) {
+      src = _mm512_maskz_loadu_epi8(valid >= 4 ? ~0ull >> (64 - 4 * W)
+                                               : (1ull << (valid * W)) - 1, rows);
+    } else {
+      src = _mm512_setzero_si512();
+      for (int k = 0; k < valid && k < 4; ++k)  // masked: only row k's W bytes are read
+        src = _mm512_mask_loadu_epi8(src, ((1ull << W) - 1) << (k * W), rows + k * (stride - W));
+    }
+  } else {  // 16 bytes of each row: the slice holding codes [16m, 16m+16)
+    const int64_t at = (m % (W / 16)) * 16;
+    __m128i part[4];
+    for (int k = 0; k < 4; ++k)
+      part[k] = k < valid ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + k * stride + at))
+                          : _mm_setzero_si128();
+    src = _mm512_inserti32x4(_mm512_castsi128_si512(part[0]), part[1], 1);
+    src = _mm512_inserti32x4(src, part[2], 2);
+    src = _mm512_inserti32x4(src, part[3], 3);
+  }
+  return _mm512_permutexvar_epi8(_mm512_load_si512(LAYOUT<N, BITS>.index), src);
+}
+
+// Interleaved bytes -> codes [16m, 16m+16): lane p holds code 16m+p of rows 0..3, one byte each.
+template <int N, int BITS>
+inline __m512i codes_of(const __m512i& bytes, int m) {
+  if constexpr (BITS == 8) return bytes;
+  const __m512i shift = _mm512_load_si512(LAYOUT<N, BITS>.shift[m]);
+  return _mm512_and_si512(_mm512_srlv_epi16(bytes, shift), _mm512_set1_epi8(char((1 << BITS) - 1)));
+}
+
+// Code vectors m and m + 1 of 4 rows (3 bits: each row's 2-bit codes, then its 1-bit codes).
+template <int N, int BITS>
+inline void code_pair(const uint8_t* rows, int64_t stride, int valid, int m, __m512i* out) {
+  constexpr int LOW = BITS == 3 ? 2 : BITS;
+  constexpr bool shared = N * LOW / 8 <= 16;  // one gather holds every code of the rows
+  const __m512i low = gather_rows<N, LOW>(rows, stride, valid, m);
+  out[0] = codes_of<N, LOW>(low, m);
+  out[1] = codes_of<N, LOW>(shared ? low : gather_rows<N, LOW>(rows, stride, valid, m + 1), m + 1);
+  if constexpr (BITS == 3) {
+    const __m512i top = gather_rows<N, 1>(rows + N / 4, stride, valid, m);  // N/8 <= 16 bytes
+    for (int i = 0; i < 2; ++i)
+      out[i] = _mm512_or_si512(out[i], _mm512_slli_epi16(codes_of<N, 1>(top, m + i), 2));
+  }
+}
+
+// out[r·ld + n] += Σ_k w[r][k]·code_k[n] for RB rows, n < N, over K packed rows `stride` bytes
+// apart; weights as round_weights left them ([RB, Kp] int8 planes and α). Two code vectors
+// (32 outputs) at a time: 2 × RB × 2 accumulators.
+template <int N, int BITS>
+void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
+              int64_t Kp, const float* alpha, float* out, int64_t ld) {
+  static_assert(N % 32 == 0 || N == 16, "rows of 16 or a multiple of 32 codes");
+  for (int m = 0; m < N / 16; m += 2) {
+    constexpr int PAIR = N == 16 ? 1 : 2;
+    __m512i acc_hi[PAIR][RB], acc_lo[PAIR][RB];
+    for (int i = 0; i < PAIR; ++i)
+      for (int r = 0; r < RB; ++r) acc_hi[i][r] = acc_lo[i][r] = _mm512_setzero_si512();
+    for (int64_t k = 0; k < K; k += 4) {
+      const int valid = int(std::min<int64_t>(K - k, 4));
+      __m512i codes[2];
+      if constexpr (N == 16) {
+        constexpr int LOW = BITS == 3 ? 2 : BITS;
+        codes[0] = codes_of<N, LOW>(gather_rows<N, LOW>(rows + k * stride, stride, valid, 0), 0);
+        if constexpr (BITS == 3)
+          codes[0] = _mm512_or_si512(codes[0], _mm512_slli_epi16(codes_of<N, 1>(
+              gather_rows<N, 1>(rows + N / 4 + k * stride, stride, valid, 0), 0), 2));
+      } else {
+        code_pair<N, BITS>(rows + k * stride, stride, valid, m, codes);
+      }
+      for (int r = 0; r < RB; ++r) {
+        int32_t h, l;
+        std::memcpy(&h, hi + r * Kp + k, 4);
+        std::memcpy(&l, lo + r * Kp + k, 4);
+        const __m512i wh = _mm512_set1_epi32(h), wl = _mm512_set1_epi32(l);
+        for (int i = 0; i < PAIR; ++i) {
+          acc_hi[i][r] = _mm512_dpbusd_epi32(acc_hi[i][r], codes[i], wh);
+          acc_lo[i][r] = _mm512_dpbusd_epi32(acc_lo[i][r], codes[i], wl);
+        }
+      }
+    }
+    for (int i = 0; i < PAIR; ++i)
+      for (int r = 0; r < RB; ++r) {
+        const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[i][r]),
+                                           _mm512_set1_ps(LO_STEP),
+                                           _mm512_cvtepi32_ps(acc_hi[i][r]));
+        float* o = out + r * ld + 16 * (m + i);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(sum, _mm512_set1_ps(alpha[r]), _mm512_loadu_ps(o)));
+      }
+  }
+}
+
+using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
+                       const float*, float*, int64_t);
+
+template <int N>
+IntFn int_sized(int bits) {
+  switch (bits) {
+    case 1: return int_rows<N, 1>;
+    case 2: return int_rows<N, 2>;
+    case 3: return int_rows<N, 3>;
+    case 4: return int_rows<N, 4>;
+    default: return int_rows<N, 8>;
+  }
+}
+
+// The integer kernel for rows of n codes (16, 32, 64 or 128), else null (the float kernels).
+IntFn int_for(int64_t n, int bits) {
+  switch (n) {
+    case 16: return int_sized<16>(bits);
+    case 32: return int_sized<32>(bits);
+    case 64: return int_sized<64>(bits);
+    case 128: return int_sized<128>(bits);
+    default: return nullptr;
+  }
+}
+#else
+using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
+                       const float*, float*, int64_t);
+IntFn int_for(int64_t, int) { return nullptr; }
+void round_weights(const float*, int64_t, int64_t, int64_t, int8_t*, int8_t*, float*) {}
+#endif
+
 // ---- small vector helpers ---------------------------------------------------------------------
 
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    even = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), even);
+    odd = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), odd);
+  }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(even, odd));
+#endif
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t j = i; j < n; ++j) s += a[j] * b[j];
   return s;
 }
 
@@ -328,6 +535,7 @@ struct Plane {
   const int64_t* index;  // [H, C]
   const float* mult;     // [H, C]
   PlaneFn kernel;
+  IntFn ints;  // the integer kernel, where the CPU and the row length have one
 };
 
 struct Stats {  // per-token groups: codes [n, H, G, J, group], (scale, min) [n, H, G, J]
@@ -352,6 +560,7 @@ struct Packed {
   Stats keys, values;
   DotsFn key_dots = nullptr;
   ValuesFn value_kernel = nullptr;
+  IntFn value_ints = nullptr;
 };
 
 struct Problem {
@@ -387,12 +596,16 @@ class Task {
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
       }
     for (const Plane& plane : p.packed.planes) {  // each plane's channels of every query row
-      const int64_t C = plane.channels;
+      const int64_t C = plane.channels;            // times their multipliers
       const int64_t* index = plane.index + h_ * C;
+      const float* mult = plane.mult + h_ * C;
       std::vector<float> gathered(P * C);
+      bool in_order = true;
+      for (int64_t i = 0; i < C; ++i) in_order = in_order && index[i] == i;
       for (int64_t r = 0; r < P; ++r)
-        for (int64_t i = 0; i < C; ++i) gathered[r * C + i] = q_[r * D + index[i]];
+        for (int64_t i = 0; i < C; ++i) gathered[r * C + i] = q_[r * D + index[i]] * mult[i];
       plane_queries_.push_back(std::move(gathered));
+      in_order_.push_back(in_order);
     }
     for (const Unit& u : units_) {
       offsets_.push_back(total_);
@@ -408,7 +621,7 @@ class Task {
     scores_.assign(P * std::max<int64_t>(L, 1), 0.f);
     for (size_t u = 0; u < units_.size(); ++u) scores(units_[u], &scores_[offsets_[u]]);
     Partial state{std::vector<float>(R, NEG_INF), std::vector<float>(R, 0.f),
-                  std::vector<float>(R * D, 0.f)};
+                  std::vector<float>(P * D, 0.f)};  // padding rows: written, never read
     for (int64_t r = 0; r < R; ++r) {
       float* s = &scores_[r * L];
       float m = NEG_INF;
@@ -430,6 +643,7 @@ class Task {
     std::fill(scores_.begin() + R * L, scores_.end(), 0.f);  // padding rows weigh nothing
     for (size_t u = 0; u < units_.size(); ++u)
       values(units_[u], &scores_[offsets_[u]], state.acc.data());
+    add_value_bias(state.acc.data());
     return state;
   }
 
@@ -518,18 +732,24 @@ class Task {
     if (C == 0) return;
     const int64_t stride = row_bytes(G, plane.bits);
     const uint8_t* rows = plane.codes + page(n) * plane.block_bytes + h_ * C * stride;
-    const int64_t* index = plane.index + h_ * C;
-    const float* mult = plane.mult + h_ * C;
-    factor_.resize(C);
-    for (int64_t i = 0; i < C; ++i) factor_[i] = scale_[index[i]] * mult[i];
+    const float* factor = scale_.data();  // each plane channel's scale (multipliers: in queries)
+    if (C != p_.dim || !in_order_[&plane - p_.packed.planes.data()]) {
+      const int64_t* index = plane.index + h_ * C;
+      factor_.resize(C);
+      for (int64_t i = 0; i < C; ++i) factor_[i] = scale_[index[i]];
+      factor = factor_.data();
+    }
     weights_.resize(RB * C);
     for (int64_t r0 = 0; r0 < p_.padded; r0 += RB) {
       const float* q = &queries[r0 * C];
       for (int r = 0; r < RB; ++r)
 #pragma omp simd
-        for (int64_t i = 0; i < C; ++i) weights_[r * C + i] = q[r * C + i] * factor_[i];
+        for (int64_t i = 0; i < C; ++i) weights_[r * C + i] = q[r * C + i] * factor[i];
       float* dst = block + r0 * G;
-      if (plane.kernel)
+      if (plane.ints) {
+        integer_weights(weights_.data(), C, C);
+        plane.ints(rows, stride, C, hi_.data(), lo_.data(), padded_, alpha_, dst, G);
+      } else if (plane.kernel)
         plane.kernel(rows, stride, C, weights_.data(), dst);
       else
         plane_scores_any(rows, stride, C, weights_.data(), dst, plane.bits, G, floats_.data());
@@ -582,15 +802,25 @@ class Task {
     const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
     token_stats(st, n, T, J);
     weights_.resize(RB * T);
+    value_bias_.resize(P * J * 16);
     for (int64_t j = 0; j < J; ++j)
       for (int64_t r0 = 0; r0 < P; r0 += RB) {
-        float bias[RB];
         const float* scale = &scale_[j * T];
         for (int r = 0; r < RB; ++r) {
           const float* pr = p + (r0 + r) * L;
-          bias[r] = dot(pr, &base_[j * T], T);
+          float* bias = &value_bias_[((r0 + r) * J + j) * 16];
+          for (int64_t t0 = 0; t0 < T; t0 += 16)
+#pragma omp simd
+            for (int64_t l = 0; l < std::min<int64_t>(16, T - t0); ++l)
+              bias[l] += pr[t0 + l] * base_[j * T + t0 + l];
 #pragma omp simd
           for (int64_t t = 0; t < T; ++t) weights_[r * T + t] = pr[t] * scale[t];
+        }
+        if (pk.value_ints) {
+          integer_weights(weights_.data(), T, T);
+          pk.value_ints(rows + j * stride, J * stride, T, hi_.data(), lo_.data(), padded_, alpha_,
+                        acc + r0 * D + j * gs, D);
+          continue;
         }
         float* out = work_.data();  // [RB, gs]
         std::fill(out, out + RB * gs, 0.f);
@@ -602,10 +832,22 @@ class Task {
         for (int r = 0; r < RB && r0 + r < p_.rows; ++r) {
           float* a = acc + (r0 + r) * D + j * gs;
           const float* o = out + r * gs;
-          const float b = bias[r];
 #pragma omp simd
-          for (int64_t c = 0; c < gs; ++c) a[c] += o[c] + b;
+          for (int64_t c = 0; c < gs; ++c) a[c] += o[c];
         }
+      }
+  }
+
+  // acc[r][c] += Σ p·min of group j(c), gathered lane-wise over every packed block.
+  void add_value_bias(float* acc) {
+    if (value_bias_.empty()) return;
+    const int64_t D = p_.dim, gs = p_.packed.values.group, J = D / gs;
+    for (int64_t r = 0; r < p_.rows; ++r)
+      for (int64_t j = 0; j < J; ++j) {
+        const float* lanes = &value_bias_[(r * J + j) * 16];
+        float b = 0.f;
+        for (int l = 0; l < 16; ++l) b += lanes[l];
+        for (int64_t c = 0; c < gs; ++c) acc[r * D + j * gs + c] += b;
       }
   }
 
@@ -619,12 +861,36 @@ class Task {
     if (st.minimum) halves(st.minimum + stat0, T * J, stats_.data() + T * J);
     scale_.resize(T * J);
     base_.resize(T * J);
-    for (int64_t t = 0; t < T; ++t)
+    const float* scale = stats_.data();
+    const float* minimum = st.minimum ? scale + T * J : nullptr;
+    int64_t t0 = 0;
+#ifdef __AVX512F__
+    const __m512i lanes = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                              5, 4, 3, 2, 1, 0),
+                                             _mm512_set1_epi32(int(J)));
+    const __m512 offset = _mm512_set1_ps(symmetric);
+    for (; t0 + 16 <= T; t0 += 16)  // 16 tokens of a group at a time
       for (int64_t j = 0; j < J; ++j) {
-        const float s = stats_[t * J + j];
-        scale_[j * T + t] = s;
-        base_[j * T + t] = st.minimum ? stats_[T * J + t * J + j] : symmetric * s;
+        const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(t0 * J + j)));
+        const __m512 s = _mm512_i32gather_ps(at, scale, 4);
+        _mm512_storeu_ps(&scale_[j * T + t0], s);
+        _mm512_storeu_ps(&base_[j * T + t0], minimum ? _mm512_i32gather_ps(at, minimum, 4)
+                                                     : _mm512_mul_ps(s, offset));
       }
+#endif
+    for (int64_t j = 0; j < J; ++j)
+      for (int64_t t = t0; t < T; ++t) {
+        scale_[j * T + t] = scale[t * J + j];
+        base_[j * T + t] = minimum ? minimum[t * J + j] : symmetric * scale[t * J + j];
+      }
+  }
+
+  // RB rows of K float weights (`ld` apart) -> hi_, lo_ [RB, padded_] and alpha_.
+  void integer_weights(const float* w, int64_t ld, int64_t K) {
+    padded_ = (K + 3) / 4 * 4;
+    hi_.resize(RB * padded_);
+    lo_.resize(RB * padded_);
+    round_weights(w, ld, K, padded_, hi_.data(), lo_.data(), alpha_);
   }
 
   const Problem& p_;
@@ -634,6 +900,11 @@ class Task {
   int64_t total_ = 0;
   std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;
   std::vector<std::vector<float>> plane_queries_;
+  std::vector<bool> in_order_;  // plane i holds channels 0, 1, ..., D-1
+  std::vector<float> value_bias_;  // [P, J, 16]: Σ p·min of packed values, lane-wise
+  std::vector<int8_t> hi_, lo_;
+  int64_t padded_ = 0;
+  float alpha_[RB] = {};
 };
 
 // ---- the op -------------------------------------------------------------------------------------
@@ -700,7 +971,7 @@ Plane channel_plane(const Tensor& codes, int64_t bits, const Tensor& index, cons
   for (int64_t i = 0; i < index.numel(); ++i)
     check(channels[i] >= 0 && channels[i] < dim, "plane index names a channel outside [0, D)");
   return {data<uint8_t>(codes, "plane codes"), codes.size(-1), C, int(bits), channels,
-          data<float>(mult, "plane mult"), plane_for(group, int(bits))};
+          data<float>(mult, "plane mult"), plane_for(group, int(bits)), int_for(group, int(bits))};
 }
 
 // The pool's (or one sequence's) packed blocks, checked against H KV heads of D channels and
@@ -714,6 +985,7 @@ Packed packed_layout(const PackedArgs& a, int64_t group, int64_t heads, int64_t 
   pk.values = token_groups(*a.value_codes, *a.value_scale, a.value_min, a.value_bits,
                            a.value_group, dim, heads, group, "value");
   pk.value_kernel = values_for(a.value_group, int(a.value_bits));
+  pk.value_ints = int_for(a.value_group, int(a.value_bits));
   const int64_t pages = a.value_codes->size(0);
   if (!a.plane_codes.empty()) {
     pk.key_mode = 1;
