@@ -122,16 +122,36 @@ def attend(cache: KVMixCache, queries: torch.Tensor, mask: torch.Tensor | None =
     layer.attend(cache.method.transform_queries(queries, layer.layer_idx), mask, D**-0.5)
 
 
+INTEGER_TOLERANCE = 1e-3  # of the largest output: the integer path's 16-bit weights (~1e-4)
+
+
+def op_tolerance(method, fused=None) -> float:
+    """What a fused op is held to against the reference (the largest error over the largest
+    output): float32 reassociation for float kernels and float pages; the stated tolerance of
+    the CPU op's integer path for packed codes."""
+    from kvmix.runtime.kernels import cpu
+
+    packed = method.name != "full"
+    return INTEGER_TOLERANCE if (fused in (None, cpu) and packed and cpu.integer()) else 1e-5
+
+
+def assert_near(fast: torch.Tensor, exact: torch.Tensor, tolerance: float) -> float:
+    """The largest error over the largest magnitude, asserted within ``tolerance``."""
+    error = ((fast - exact).abs().max() / exact.abs().max().clamp_min(1e-30)).item()
+    assert error <= tolerance, f"off the reference by {error:.2e} (tolerance {tolerance:.0e})"
+    return error
+
+
 def per_row(layer, fn) -> torch.Tensor:
     """``fn(row)`` for every sequence of a layer, concatenated along the batch."""
     return torch.cat([fn(row) for row in layer.rows])
 
 
 def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None,
-                 tolerance: float = 1e-5, device="cpu") -> float:
+                 tolerance: float | None = None, device="cpu") -> float:
     """Stage ``count`` tokens and compare a fused op (``fused``: a kernels module, the CPU op by
-    default) with the reference on every row before the layer attends (and commits); returns
-    the worst relative error."""
+    default) with the reference on every row before the layer attends (and commits), within
+    ``tolerance`` (the op's, by default); returns the worst relative error."""
     from kvmix.runtime.kernels import cpu, reference
 
     fused = fused or cpu
@@ -155,8 +175,8 @@ def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None
         assert view is not None or row.blocks is None, "a method in FAST has no view"
         fast = fused.attend(row, view, q, k, v, D**-0.5)
         exact = reference.attend(row, q, k, v, D**-0.5)
-        torch.testing.assert_close(fast, exact, rtol=tolerance, atol=tolerance)
-        worst = max(worst, ((fast - exact).abs().max() / exact.abs().max()).item())
+        limit = tolerance or op_tolerance(cache.method, fused)
+        worst = max(worst, assert_near(fast, exact, limit))
     layer.attend(queries, mask, D**-0.5)
     return worst
 
@@ -210,11 +230,11 @@ def compare_batched(name: str, backend: str, steps: int, device="cpu",
     kernels = {"cpu": cpu, "triton": gpu}[backend]
     real, used = kernels.attend_batch, []
     kernels.attend_batch = lambda *a, **k: used.append(1) or real(*a, **k)
+    tolerance = op_tolerance(fast.method, kernels)
     try:
         for i in range(steps):
             staged = tokens(len(lengths), 1, 100 + i, dtype=torch.float32, device=device)
-            torch.testing.assert_close(step(fast, 0, 0, staged), step(exact, 0, 0, staged),
-                                       rtol=1e-5, atol=1e-5)
+            assert_near(step(fast, 0, 0, staged), step(exact, 0, 0, staged), tolerance)
     finally:
         kernels.attend_batch = real
     assert len(used) == steps  # every step was one batched call

@@ -51,7 +51,7 @@ from kvmix.models.loading import LoadedModel, resolve_dtype
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.baselines import BASELINES, transformers_cache
 from kvmix.runtime.folding import prepare_model
-from kvmix.runtime.kernels import BACKENDS, resolve
+from kvmix.runtime.kernels import BACKENDS, cpu, resolve
 
 COLUMNS = {"method": "method", "backend": "backend", "prompt": "prompt",
            "prefill_s": "prefill s", "select_s": "select s", "tokens_per_s": "tokens/s",
@@ -149,8 +149,17 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
     finish("bench", config, loaded, rows, f"{loaded.model.device} · {config.rounds} rounds of "
            f"{-(-config.new_tokens // config.rounds)} decode steps · {torch.get_num_threads()} "
            "threads", COLUMNS, device=str(loaded.model.device),
-           threads=torch.get_num_threads(), plots=plots)
+           threads=torch.get_num_threads(), plots=plots, cpu_kernels=_kernels(backends))
     return rows
+
+
+def _kernels(backends: list[str]) -> str | None:
+    """Which CPU kernels ran (printed, and kept in results.json), when the CPU op did."""
+    if "cpu" not in backends:
+        return None
+    kernels = cpu.describe()
+    console.print(f"CPU decode op: {kernels}")
+    return kernels
 
 
 def _run_shape(config: BenchConfig) -> list[dict]:
@@ -165,10 +174,11 @@ def _run_shape(config: BenchConfig) -> list[dict]:
     info = {"name": name, "dtype": str(dtype).removeprefix("torch."), "shape": vars(shape)}
     print_table(f"kvmix bench · {name} · {device} · {dtype} · {config.rounds} rounds of "
                 f"{steps} layer-steps", rows, OP_COLUMNS)
+    kernels = _kernels(backends)
     if config.out:
         path = write_results(config.out, "bench", config, rows, model=info, device=str(device),
                              gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
-                             else None, threads=torch.get_num_threads())
+                             else None, threads=torch.get_num_threads(), cpu_kernels=kernels)
         console.print(f"wrote {path}")
     return rows
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvmix.evaluation.report import print_table
 from kvmix.methods import method_classes, parameters, presets
+from kvmix.runtime.kernels import cpu
 
 
 def add_parser(commands) -> None:
@@ -22,6 +23,7 @@ def run_methods() -> list[dict]:
     print_table("kvmix methods", rows, {"method": "method", "about": "about",
                                         "bits": "bits per element", "fast_path": "fast path",
                                         "parameters": "parameters"})
+    print(f"CPU decode op: {cpu.describe()}")
     return rows
 
 

@@ -3,7 +3,11 @@ a cache keyed by the source, the torch version, the compiler and the CPU, then l
 torch op ``torch.ops.kvmix.decode``.
 
 ``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries of one
-sequence: the same inputs, the same output, without building a float history.
+sequence: the same inputs, the same output, without building a float history. On a CPU with
+AVX-512 VNNI and VBMI, packed codes are dotted in integer SIMD with the float weights (the
+pre-scaled query over key channels, p·scale over value tokens) rounded per block to two int8
+planes: 16-bit precision relative to each block's largest weight, the one error added to the
+float kernels' arithmetic (``describe`` says which kernels run).
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
 sequence's float slots and its pages in the layer's pool, read through the block table.
 Flags: ``-O3 -march=native`` (the cache key holds the CPU); never ``-ffast-math`` (masked
@@ -74,6 +78,29 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     out = torch.ops.kvmix.decode(_float32(query[0]), scaling, float_keys, float_values, 1,
                                  row.method.group, *packed)
     return out.unsqueeze(0).to(dtype)
+
+
+INTEGER_FLAGS = ("avx512bw", "avx512_vnni", "avx512vbmi")  # /proc/cpuinfo names
+
+
+def integer() -> bool:
+    """Whether the op here dots packed codes in integer SIMD (see ``describe``)."""
+    return available()[0] and torch.ops.kvmix.simd() == "avx512-vnni"
+
+
+def describe() -> str:
+    """Which kernels the op runs here, and why: integer dot products where the CPU has AVX-512
+    VNNI and VBMI (the build's -march=native enables them), else the portable float kernels."""
+    ok, cause = available()
+    if not ok:
+        return f"unavailable ({cause.splitlines()[0]})"
+    if integer():
+        return ("integer dot products (AVX-512 VNNI + VBMI; query weights rounded to 16 bits "
+                "per block)")
+    flags = _cpu_flags().split()
+    missing = [flag for flag in INTEGER_FLAGS if flag not in flags]
+    why = f"this CPU lacks {', '.join(missing)}" if missing else "the compiler did not enable them"
+    return f"float kernels (portable: {why})"
 
 
 def batched(store: BatchStore) -> bool:
@@ -157,10 +184,16 @@ def _cache_dir() -> Path:
     return root / _cache_key()
 
 
+def _flags() -> tuple[str, ...]:
+    """FLAGS, then any the user adds in KVMIX_CXXFLAGS (e.g. -mno-avx512vnni: the portable
+    float kernels on a CPU that has the integer instructions)."""
+    return FLAGS + tuple(os.environ.get("KVMIX_CXXFLAGS", "").split())
+
+
 def _cache_key() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
     for part in (torch.__version__, sys.version, platform.machine(), _cpu_flags(),
-                 _compiler_version(), " ".join(FLAGS)):
+                 _compiler_version(), " ".join(_flags())):
         digest.update(part.encode())
     return digest.hexdigest()[:16]
 
@@ -171,7 +204,7 @@ def _build(library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_suffix(f".{os.getpid()}.tmp")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    command = [_compiler(), *FLAGS, abi, f"-I{root / 'include'}", str(SOURCE), "-o", str(partial),
+    command = [_compiler(), *_flags(), abi, f"-I{root / 'include'}", str(SOURCE), "-o", str(partial),
                f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10",
                f"-Wl,-rpath,{root / 'lib'}"]
     try:

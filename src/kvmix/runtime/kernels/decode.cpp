@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 namespace {
@@ -1233,7 +1234,17 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
 
 }  // namespace
 
+// The kernels this build holds: "avx512-vnni" (integer dot products) or "float".
+std::string simd() {
+#ifdef KVMIX_VNNI
+  return "avx512-vnni";
+#else
+  return "float";
+#endif
+}
+
 TORCH_LIBRARY(kvmix, m) {
+  m.def("simd() -> str", &simd);
   m.def(
       "decode(Tensor query, float scale, Tensor[] float_keys, Tensor[] float_values, "
       "int causal_last, int group, int[] lengths, Tensor[] plane_codes, int[] plane_bits, "
