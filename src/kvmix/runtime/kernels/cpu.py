@@ -204,8 +204,8 @@ def _build(library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     partial = library.with_suffix(f".{os.getpid()}.tmp")
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    command = [_compiler(), *_flags(), abi, f"-I{root / 'include'}", str(SOURCE), "-o", str(partial),
-               f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10",
+    command = [_compiler(), *_flags(), abi, f"-I{root / 'include'}", str(SOURCE), "-o",
+               str(partial), f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10",
                f"-Wl,-rpath,{root / 'lib'}"]
     try:
         result = subprocess.run(command, capture_output=True, text=True, check=False)
