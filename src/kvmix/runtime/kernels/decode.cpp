@@ -313,10 +313,13 @@ template <int N, int BITS>
 struct Layout {
   static constexpr int W = N * BITS / 8, P = W < 16 ? W : 16, M = N / 16;
   alignas(64) uint8_t index[64];
+  alignas(64) uint8_t spread[33][64];  // vpermt2b indices for 4 rows `stride` <= 32 bytes apart
   alignas(64) uint16_t shift[M][32];
-  constexpr Layout() : index{}, shift{} {
+  constexpr Layout() : index{}, spread{}, shift{} {
     for (int p = 0; p < 16; ++p) {
       for (int k = 0; k < 4; ++k) index[p * 4 + k] = uint8_t(k * P + p % P);
+      for (int stride = W; stride <= 32; ++stride)
+        for (int k = 0; k < 4; ++k) spread[stride][p * 4 + k] = uint8_t(k * stride + p % P);
       for (int m = 0; m < M; ++m)
         shift[m][2 * p] = shift[m][2 * p + 1] = uint16_t((16 * m + p) / W * BITS);
     }
@@ -335,6 +338,13 @@ inline __m512i gather_rows(const uint8_t* rows, int64_t stride, int valid, int m
     if (stride == W) {
       src = _mm512_maskz_loadu_epi8(valid >= 4 ? ~0ull >> (64 - 4 * W)
                                                : (1ull << (valid * W)) - 1, rows);
+    } else if (stride <= 32) {  // the 4 rows lie in 128 bytes: two loads, one vpermt2b
+      const int64_t span = (valid - 1) * stride + W;  // bytes read: rows past `valid` are zero
+      const __m512i first = _mm512_maskz_loadu_epi8(span >= 64 ? ~0ull : (1ull << span) - 1, rows);
+      const __m512i second = span > 64 ? _mm512_maskz_loadu_epi8(
+          span >= 128 ? ~0ull : (1ull << (span - 64)) - 1, rows + 64) : _mm512_setzero_si512();
+      return _mm512_permutex2var_epi8(first, _mm512_load_si512(LAYOUT<N, BITS>.spread[stride]),
+                                      second);
     } else {
       src = _mm512_setzero_si512();
       for (int k = 0; k < valid && k < 4; ++k)  // masked: only row k's W bytes are read
