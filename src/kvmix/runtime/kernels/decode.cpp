@@ -353,9 +353,10 @@ inline __m512i gather_rows(const uint8_t* rows, int64_t stride, int valid, int m
   } else {  // 16 bytes of each row: the slice holding codes [16m, 16m+16)
     const int64_t at = (m % (W / 16)) * 16;
     __m128i part[4];
-    for (int k = 0; k < 4; ++k)
-      part[k] = k < valid ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + k * stride + at))
-                          : _mm_setzero_si128();
+    for (int k = 0; k < 4; ++k) {
+      const auto* slice = reinterpret_cast<const __m128i*>(rows + k * stride + at);
+      part[k] = k < valid ? _mm_loadu_si128(slice) : _mm_setzero_si128();
+    }
     src = _mm512_inserti32x4(_mm512_castsi128_si512(part[0]), part[1], 1);
     src = _mm512_inserti32x4(src, part[2], 2);
     src = _mm512_inserti32x4(src, part[3], 3);
@@ -712,8 +713,9 @@ class Task {
       for (int64_t r0 = 0; r0 < p_.padded; r0 += RB)
         for (int64_t d = 0; d < D; d += 32) {
           __m512 sum[RB][2];
+          float* a = acc + r0 * D + d;
           for (int r = 0; r < RB; ++r)
-            for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(acc + (r0 + r) * D + d + 16 * k);
+            for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(a + r * D + 16 * k);
           for (int64_t t = 0; t < T; ++t) {
             const __m512 v0 = _mm512_loadu_ps(values + t * D + d);
             const __m512 v1 = _mm512_loadu_ps(values + t * D + d + 16);
@@ -724,7 +726,7 @@ class Task {
             }
           }
           for (int r = 0; r < RB; ++r)
-            for (int k = 0; k < 2; ++k) _mm512_storeu_ps(acc + (r0 + r) * D + d + 16 * k, sum[r][k]);
+            for (int k = 0; k < 2; ++k) _mm512_storeu_ps(a + r * D + 16 * k, sum[r][k]);
         }
       return;
     }
