@@ -519,6 +519,31 @@ float exp_sum(float* x, int64_t n, float shift) {
     }
     total = _mm512_reduce_add_ps(sum);
   }
+#elif defined(__AVX2__)
+  {
+    const __m256 lo = _mm256_set1_ps(-87.f), hi = _mm256_set1_ps(88.f), by = _mm256_set1_ps(shift);
+    const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+    const __m256 ln2 = _mm256_set1_ps(0.69314718055994531f);
+    const float coefficients[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    __m256 sum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 in = _mm256_sub_ps(_mm256_loadu_ps(x + i), by);
+      const __m256 v = _mm256_min_ps(_mm256_max_ps(in, lo), hi);
+      const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
+      const __m256 f = _mm256_fnmadd_ps(k, ln2, v);
+      __m256 p = _mm256_set1_ps(1.f / 5040.f);
+      for (float c : coefficients) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+      const __m256i exponent = _mm256_slli_epi32(
+          _mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+      const __m256 out = _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(exponent)),
+                                       _mm256_cmp_ps(in, lo, _CMP_GE_OQ));
+      _mm256_storeu_ps(x + i, out);
+      sum = _mm256_add_ps(sum, out);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, sum);
+    for (float lane : lanes) total += lane;
+  }
 #endif
   for (; i < n; ++i) {
     x[i] = exp_one(x[i] - shift);
