@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import INTEGER_TOLERANCE, assert_near
+from helpers import INTEGER_TOLERANCE, assert_near, left_padded
 
 from kvmix.methods import parse_method
 from kvmix.models.loading import attention_config
@@ -46,12 +46,6 @@ def attend(cache: KVMixCache, staged, mask=None) -> torch.Tensor:
     cache.update(keys, values, 0)
     layer = take_pending()
     return layer.attend(cache.method.transform_queries(queries, 0), mask, D**-0.5)
-
-
-def left_padded(lengths: list[int]) -> torch.Tensor:
-    total = max(lengths)
-    valid = torch.stack([torch.arange(total) >= total - n for n in lengths])
-    return valid[:, None, None, :] & torch.ones(total, total, dtype=torch.bool).tril()
 
 
 def test_the_op_says_which_kernels_it_runs():

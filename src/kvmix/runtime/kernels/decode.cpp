@@ -192,67 +192,47 @@ using ValuesFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, int64_t, co
                           float*);
 using DotsFn = ValuesFn;
 
-template <int N>
-struct Sized {
-  static PlaneFn plane(int bits) {
-    switch (bits) {
-      case 1: return plane_scores<N, 1>;
-      case 2: return plane_scores<N, 2>;
-      case 3: return plane_scores<N, 3>;
-      case 4: return plane_scores<N, 4>;
-      default: return plane_scores<N, 8>;
-    }
+// pick<BITS>() for a code width of 1, 2, 3, 4 or 8 bits.
+template <typename Pick>
+auto for_bits(int bits, Pick pick) -> decltype(pick.template operator()<1>()) {
+  switch (bits) {
+    case 1: return pick.template operator()<1>();
+    case 2: return pick.template operator()<2>();
+    case 3: return pick.template operator()<3>();
+    case 4: return pick.template operator()<4>();
+    default: return pick.template operator()<8>();
   }
-  static ValuesFn values(int bits) {
-    switch (bits) {
-      case 1: return group_values<N, 1>;
-      case 2: return group_values<N, 2>;
-      case 3: return group_values<N, 3>;
-      case 4: return group_values<N, 4>;
-      default: return group_values<N, 8>;
-    }
-  }
-  static DotsFn dots(int bits) {
-    switch (bits) {
-      case 1: return group_dots<N, 1>;
-      case 2: return group_dots<N, 2>;
-      case 3: return group_dots<N, 3>;
-      case 4: return group_dots<N, 4>;
-      default: return group_dots<N, 8>;
-    }
-  }
-};
+}
 
-// The kernels specialised for rows of 16, 32, 64 or 128 codes; other lengths get null and the
-// generic loops.
-PlaneFn plane_for(int64_t n, int bits) {
+// pick<N>() for rows of 16, 32, 64 or 128 codes, the lengths kernels are specialised for; other
+// lengths get null (the generic loops).
+template <typename Pick>
+auto for_length(int64_t n, Pick pick) -> decltype(pick.template operator()<16>()) {
   switch (n) {
-    case 16: return Sized<16>::plane(bits);
-    case 32: return Sized<32>::plane(bits);
-    case 64: return Sized<64>::plane(bits);
-    case 128: return Sized<128>::plane(bits);
+    case 16: return pick.template operator()<16>();
+    case 32: return pick.template operator()<32>();
+    case 64: return pick.template operator()<64>();
+    case 128: return pick.template operator()<128>();
     default: return nullptr;
   }
+}
+
+PlaneFn plane_for(int64_t n, int bits) {
+  return for_length(n, [bits]<int N>() {
+    return for_bits(bits, []<int B>() -> PlaneFn { return plane_scores<N, B>; });
+  });
 }
 
 ValuesFn values_for(int64_t n, int bits) {
-  switch (n) {
-    case 16: return Sized<16>::values(bits);
-    case 32: return Sized<32>::values(bits);
-    case 64: return Sized<64>::values(bits);
-    case 128: return Sized<128>::values(bits);
-    default: return nullptr;
-  }
+  return for_length(n, [bits]<int N>() {
+    return for_bits(bits, []<int B>() -> ValuesFn { return group_values<N, B>; });
+  });
 }
 
 DotsFn dots_for(int64_t n, int bits) {
-  switch (n) {
-    case 16: return Sized<16>::dots(bits);
-    case 32: return Sized<32>::dots(bits);
-    case 64: return Sized<64>::dots(bits);
-    case 128: return Sized<128>::dots(bits);
-    default: return nullptr;
-  }
+  return for_length(n, [bits]<int N>() {
+    return for_bits(bits, []<int B>() -> DotsFn { return group_dots<N, B>; });
+  });
 }
 
 // ---- integer dot products (AVX-512 VNNI and VBMI) ---------------------------------------------
@@ -436,31 +416,17 @@ void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
 using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
                        const float*, float*, int64_t);
 
-template <int N>
-IntFn int_sized(int bits) {
-  switch (bits) {
-    case 1: return int_rows<N, 1>;
-    case 2: return int_rows<N, 2>;
-    case 3: return int_rows<N, 3>;
-    case 4: return int_rows<N, 4>;
-    default: return int_rows<N, 8>;
-  }
-}
-
 // The integer kernel for rows of n codes (16, 32, 64 or 128), else null (the float kernels).
 IntFn int_for(int64_t n, int bits) {
-  switch (n) {
-    case 16: return int_sized<16>(bits);
-    case 32: return int_sized<32>(bits);
-    case 64: return int_sized<64>(bits);
-    case 128: return int_sized<128>(bits);
-    default: return nullptr;
-  }
+  return for_length(n, [bits]<int N>() {
+    return for_bits(bits, []<int B>() -> IntFn { return int_rows<N, B>; });
+  });
 }
 #else
 using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
                        const float*, float*, int64_t);
 IntFn int_for(int64_t, int) { return nullptr; }
+// Never called: without the integer kernels no plane or value group has one.
 void round_weights(const float*, int64_t, int64_t, int64_t, int8_t*, int8_t*, float*) {}
 #endif
 
@@ -551,8 +517,6 @@ float exp_sum(float* x, int64_t n, float shift) {
   }
   return total;
 }
-
-float half(const at::Half* p, int64_t i) { return float(p[i]); }
 
 // n float16 values -> floats (F16C, 8 at a time, where the CPU has it).
 void halves(const at::Half* in, int64_t n, float* out) {
@@ -797,7 +761,7 @@ class Task {
     const int64_t stride = row_bytes(G, plane.bits);
     const uint8_t* rows = plane.codes + page(n) * plane.block_bytes + h_ * C * stride;
     const float* factor = scale_.data();  // each plane channel's scale (multipliers: in queries)
-    if (C != p_.dim || !in_order_[&plane - p_.packed.planes.data()]) {
+    if (!in_order_[&plane - p_.packed.planes.data()]) {
       const int64_t* index = plane.index + h_ * C;
       factor_.resize(C);
       for (int64_t i = 0; i < C; ++i) factor_[i] = scale_[index[i]];
@@ -965,7 +929,7 @@ class Task {
   int64_t total_ = 0;
   std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;
   std::vector<std::vector<float>> plane_queries_;
-  std::vector<bool> in_order_;  // plane i holds channels 0, 1, ..., D-1
+  std::vector<bool> in_order_;  // plane i holds channels 0, 1, ..., C-1: its scales need no gather
   std::vector<float> value_bias_;  // [P, J, 16]: Σ p·min of packed values, lane-wise
   std::vector<int8_t> hi_, lo_;
   int64_t padded_ = 0;
