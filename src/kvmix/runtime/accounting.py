@@ -60,7 +60,7 @@ def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
     pages of the pool (reported as ``free``)."""
     if store.keys is None:
         return 0.0
-    slots = store.batch * (store.method.sink + store.method.residual)
+    slots = store.slot_rows * (store.method.sink + store.method.residual)
     unused = slots - sum(store.sink_len) - sum(store.res_len)
     per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     free = len(store.pool.free) * page_bytes(store.method, spec, store.layer, dtype)

@@ -22,7 +22,7 @@ from kvmix.models.rope import rope_pairs
 from kvmix.models.weights import attention_modules, iter_kv_weights, squared_frobenius
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.kernels import resolve
-from kvmix.runtime.layer import take_pending
+from kvmix.runtime.layer import KVMixLayer, take_pending
 
 NAME = "kvmix"
 FOLDED = "_kvmix_folded"  # set on the folded copies runtime.folding makes, never on yours
@@ -46,16 +46,20 @@ def kvmix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         if isinstance(attention_mask, RowMask):
             attention_mask = attention_mask.full()
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    window = kwargs.get("sliding_window")
+    check_window(layer, kwargs.get("sliding_window"))
+    if isinstance(attention_mask, RowMask):
+        attention_mask = attention_mask.last_row()  # [B, 1, 1, T]: all a kvmix layer reads
+    out = layer.attend(query, attention_mask, scaling)  # [B, Hq, q, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def check_window(layer: KVMixLayer, window: int | None) -> None:
+    """Refuse an attention call whose sliding window is not the one its cache layer keeps."""
     if window is not None and window != layer.sliding_window:
         raise ValueError(f"layer {layer.layer_idx} attends over a sliding window of {window} "
                          f"tokens but its cache layer is built for sliding_window="
                          f"{layer.sliding_window} (the config's layer_types and sliding_window "
                          "disagree with the model's attention)")
-    if isinstance(attention_mask, RowMask):
-        attention_mask = attention_mask.last_row()  # [B, 1, 1, T]: all a kvmix layer reads
-    out = layer.attend(query, attention_mask, scaling)  # [B, Hq, q, D]
-    return out.transpose(1, 2).contiguous(), None
 
 
 class RowMask:
@@ -121,13 +125,20 @@ def make_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto"
     max_batch, max_tokens: size each layer's page pool up front for that many sequences of that
     many real tokens (beyond it: a clear error, nothing cached lost); by default it grows.
     """
+    cache = build_cache(model, method, backend, max_batch, max_tokens)
+    use_kvmix_attention(model)
+    return cache
+
+
+def build_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto",
+                max_batch: int | None = None, max_tokens: int | None = None) -> KVMixCache:
+    """``make_cache`` without routing the model's attention (continuous batching routes it to
+    its own attention function)."""
     method = parse_method(method)  # a bad method string fails before the op is built
     refuse_unsupported(model)
     pairs, norms = model_facts(model)
-    cache = KVMixCache(method, model.config, pairs, norms, getattr(model, FOLDED, None),
-                       resolve(backend, model.device), max_batch, max_tokens)
-    use_kvmix_attention(model)
-    return cache
+    return KVMixCache(method, model.config, pairs, norms, getattr(model, FOLDED, None),
+                      resolve(backend, model.device), max_batch, max_tokens)
 
 
 def refuse_unsupported(model: Any) -> None:

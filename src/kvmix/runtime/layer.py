@@ -178,9 +178,51 @@ class KVMixLayer(CacheLayerMixin):
         self._commit([(keys[b : b + 1], values[b : b + 1], queries[b : b + 1])
                       for b in range(keys.shape[0])])
 
-    def _commit(self, new: list[tuple[torch.Tensor, ...]]) -> None:
+    # -- continuous batching: sequences join and leave between steps ---------------------------
+
+    def join(self, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+             scaling: float) -> list[torch.Tensor]:
+        """New sequences after the last row (requests admitted at this step), each its whole
+        prompt: queries [1, Hq, n, D] (in the cache's key space), keys (transformed), values
+        [1, H, n, D]. Each attends over itself, as a prompt of ``generate`` does, and is
+        committed -> outputs [1, Hq, n, D]."""
+        self.check()
+        for _, keys, values in prompts:
+            check_finite(keys, values, self.layer_idx)
+        if not self.is_initialized:
+            self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
+        first = self.store.batch
+        self._check_batch(first + len(prompts))
+        self.store.add_rows(len(prompts))
+        self.pads += [0] * len(prompts)
+        out = [self._attend_row(self.store.row(first + i), q, k, v, scaling)
+               for i, (q, k, v) in enumerate(prompts)]
+        self._commit([(k, v, q) for q, k, v in prompts], range(first, self.store.batch))
+        return out
+
+    def decode(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """A decode step of every row (every running request, one new token each): query
+        [B, Hq, 1, D] (in the cache's key space), keys (transformed), values [B, H, 1, D] ->
+        [B, Hq, 1, D]."""
+        self.store.reserve_step()
+        if checks_every_step():
+            check_finite(keys, values, self.layer_idx)
+        else:
+            self._flag(keys, values)
+        return self._step(query, keys, values, scaling)
+
+    def leave(self, b: int) -> int:
+        """Row ``b``'s sequence ends (its pages return to the pool); the last row takes its place
+        -> the index the moved row had."""
+        moved = self.store.remove_row(b)
+        self.pads[b] = self.pads[moved]
+        self.pads.pop()
+        return moved
+
+    def _commit(self, new: list[tuple[torch.Tensor, ...]], rows: range | None = None) -> None:
         with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
-            self.store.append(new)
+            self.store.append(new, rows)
         fused = FUSED.get(self.backend)
         if fused:
             fused.prepare(self.store)  # the per-sequence views, once per prompt, not per step

@@ -70,7 +70,8 @@ class BatchStore:
         self.layer = layer
         self.pool = pool
         self.window = window  # a sliding-window layer's W, or None (every token stays visible)
-        self.keys = self.values = None  # [B, H, S + R, D]
+        self.keys = self.values = None  # [B, H, S + R, D]: views of the slot buffers
+        self._buffers: tuple[torch.Tensor, ...] = ()
         self.sink_len: list[int] = []
         self.res_len: list[int] = []
         self.pages: list[list[int]] = []  # page ids per row, in token order
@@ -84,14 +85,58 @@ class BatchStore:
 
     def allocate(self, batch: int, like: torch.Tensor) -> None:
         """Empty slots for ``batch`` rows shaped like ``like`` [*, H, *, D]."""
-        heads, dim = like.shape[1], like.shape[-1]
-        slots = self.method.sink + self.method.residual
-        self.keys = like.new_zeros(batch, heads, slots, dim)
-        self.values = like.new_zeros(batch, heads, slots, dim)
-        self.sink_len, self.res_len = [0] * batch, [0] * batch
-        self.pages, self.held = [[] for _ in range(batch)], [[] for _ in range(batch)]
-        self.dropped = [0] * batch
-        self.selections, self.prefilled = [None] * batch, [False] * batch
+        self.sink_len, self.res_len, self.pages, self.held = [], [], [], []
+        self.dropped, self.selections, self.prefilled = [], [], []
+        self._buffers = self._slot_buffers(batch, like)
+        self._view(0)
+        self.add_rows(batch)
+
+    # -- rows joining and leaving (continuous batching) ----------------------------------------
+
+    def add_rows(self, count: int) -> None:
+        """``count`` empty rows after the last (requests admitted); the slot buffers grow by
+        doubling, so a join copies no other row's slots but at a doubling."""
+        total = self.batch + count
+        if total > self.slot_rows:
+            grown = self._slot_buffers(max(total, 2 * self.slot_rows), self._buffers[0])
+            for old, new in zip(self._buffers, grown, strict=True):
+                new[: self.batch] = old[: self.batch]
+            self._buffers = grown
+        for name, empty in (("sink_len", 0), ("res_len", 0), ("dropped", 0),
+                            ("selections", None), ("prefilled", False)):
+            getattr(self, name).extend([empty] * count)
+        self.pages += [[] for _ in range(count)]
+        self.held += [[] for _ in range(count)]
+        self._view(total)
+
+    def remove_row(self, b: int) -> int:
+        """Row ``b`` leaves (a request ended): its pages go back to the pool and the last row
+        moves into its place (one row's slots copied) -> the index the moved row had."""
+        last = self.batch - 1
+        self.pool.release(self.pages[b])
+        if b != last:
+            for buffer in self._buffers:
+                buffer[b] = buffer[last]
+        for name in ("sink_len", "res_len", "pages", "held", "dropped", "selections",
+                     "prefilled"):
+            rows = getattr(self, name)
+            rows[b] = rows[last]
+            rows.pop()
+        self._view(last)
+        return last
+
+    @property
+    def slot_rows(self) -> int:
+        """Rows the slot buffers hold (in use or not)."""
+        return self._buffers[0].shape[0] if self.keys is not None else 0
+
+    def _slot_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (rows, like.shape[1], self.method.sink + self.method.residual, like.shape[-1])
+        return like.new_zeros(shape), like.new_zeros(shape)
+
+    def _view(self, rows: int) -> None:
+        """``keys``, ``values``: the first ``rows`` rows of the slot buffers (contiguous)."""
+        self.keys, self.values = (buffer[:rows] for buffer in self._buffers)
         self.version += 1
         self.table_version += 1
 
@@ -122,11 +167,14 @@ class BatchStore:
 
     # -- writing: any number of new tokens per row ---------------------------------------------
 
-    def append(self, new: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> None:
-        """Per row, its new real tokens after their attention: keys, values [1, H, n, D] (keys in
-        the cache's key space) and queries [1, Hq, n, D]. Selects at a row's first tokens, fills
-        sinks, and seals every full group of every row in one ``encode`` call."""
-        plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in enumerate(new)]
+    def append(self, new: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+               rows: range | None = None) -> None:
+        """Per row (every row, or ``rows``), its new real tokens after their attention: keys,
+        values [1, H, n, D] (keys in the cache's key space) and queries [1, Hq, n, D]. Selects at
+        a row's first tokens, fills sinks, and seals every full group of those rows in one
+        ``encode`` call."""
+        rows = range(self.batch) if rows is None else rows
+        plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in zip(rows, new, strict=True)]
         self.pool.reserve(sum(p.blocks - p.dropped for p in plans))  # refuse before any change
         sealed = []
         for plan, (keys, values, queries) in zip(plans, new, strict=True):
@@ -350,8 +398,7 @@ class BatchStore:
         if self.keys is None:
             return
         where = torch.tensor(index, device=self.keys.device)
-        self.keys, self.values = self.keys.index_select(0, where), self.values.index_select(0,
-                                                                                            where)
+        self._buffers = tuple(x.index_select(0, where) for x in (self.keys, self.values))
         old = self.pages
         self.pages = [list(old[b]) for b in index]
         for pages in self.pages:
@@ -368,12 +415,13 @@ class BatchStore:
         for name in ("sink_len", "res_len", "prefilled", "dropped"):
             setattr(self, name, [getattr(self, name)[b] for b in index])
         self.held = [list(self.held[b]) for b in index]
-        self.version += 1
-        self.table_version += 1
+        self._view(len(index))
 
     def to(self, device: torch.device | str) -> None:
         moved = functools.partial(map_tensors, fn=lambda t: t.to(device, non_blocking=True))
-        self.keys, self.values = moved(self.keys), moved(self.values)
+        if self.keys is not None:
+            self._buffers = tuple(moved(x) for x in self._buffers)
+            self._view(self.batch)
         self.selections = [moved(s) for s in self.selections]
         self.version += 1
 
@@ -385,9 +433,9 @@ class BatchStore:
         total: Counter = Counter()
         if self.keys is None:
             return total
-        slot = storage_bytes(self.keys) // (self.keys.shape[0] * self.keys.shape[2])
+        slot = self.keys.element_size() * self.keys.shape[1] * self.keys.shape[3]  # one token
         sink, residual = sum(self.sink_len), sum(self.res_len)
-        capacity = self.keys.shape[0] * self.keys.shape[2]
+        capacity = storage_bytes(self.keys) // slot  # every slot of the buffers, rows or not
         total["sink"] += 2 * slot * sink
         total["residual"] += 2 * slot * residual
         total[FREE] += 2 * slot * (capacity - sink - residual)

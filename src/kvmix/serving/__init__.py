@@ -1,0 +1,2 @@
+"""Serving many users: continuous batching on transformers' machinery with kvmix's packed pool
+(``paged``), admission by bytes (``budget``), and the OpenAI-compatible server (``server``)."""

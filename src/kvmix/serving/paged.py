@@ -1,0 +1,398 @@
+"""Continuous batching on transformers' own machinery with kvmix's packed pool underneath
+(SPEC §11): transformers' scheduler, request states, output routing and streaming decide which
+requests run at each step; every attention layer keeps its tokens in a ``KVMixLayer`` (float
+slots and a page pool, one row per running request).
+
+The seam (transformers 5.24; the private parts are why the pin is exact):
+
+* ``KVMixPagedCache`` — a ``PagedAttentionCache`` subclass that allocates no float cache. The
+  scheduler asks it whether a request fits (``can_store_request_tokens``: admission by bytes,
+  ``Budget``) and tells it when one ends (``free_blocks``: its pages return to the pool); the
+  batch builder calls ``extend_read_and_write_indices`` once per request in batch order, which
+  is where it learns which segment of the flat batch is which request; ``update`` stages a
+  layer's new keys and values.
+* ``paged_attention`` — the attention function registered as ``kvmix_paged``: one decode call
+  for every running request (the fused op, one call per layer), then each admitted request's
+  prompt attended over itself and committed, as ``generate`` does.
+* ``KVMixManager`` — a ``ContinuousBatchingManager`` subclass overriding
+  ``switch_to_cb_friendly_attn`` (which accepts only paged|eager, sdpa and flash) and
+  ``_create_batch_processor`` (which builds ``PagedAttentionCache`` itself).
+
+A prompt is never split across forwards (each request's selection and sink come from its whole
+prompt, as alone), and every running request decodes at every step, so the rows of each layer
+are exactly the requests decoding plus the ones joining.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any
+
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import (
+    ContinuousBatchingManager,
+    FIFOScheduler,
+    PagedAttentionCache,
+)
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.initialization import (
+    update_cb_config_after_cache_creation,
+)
+
+from kvmix.methods import Method, parse_method
+from kvmix.runtime.attention import build_cache, check_window
+from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.folding import prepare_model
+from kvmix.serving.budget import Budget, model_architecture
+from kvmix.serving.stats import Stats
+
+NAME = "kvmix_paged"
+DEFAULT_MAX_BATCH_TOKENS = 2048
+
+
+@dataclass
+class Step:
+    """Which segment of one forward's flat batch is which request."""
+
+    decode: torch.Tensor | None  # [B] position of every row's new token, in row order
+    joins: list[tuple[int, int]]  # (start, length) of each admitted request's prompt
+
+
+class _Handoff(threading.local):
+    """What a layer's ``update`` staged for its attention call."""
+
+    staged: tuple | None = None
+
+
+_HANDOFF = _Handoff()
+
+
+class _Group:
+    """What transformers' batch builder reads of an allocator: kvmix's pool keeps no token
+    indices, so reads and writes go nowhere."""
+
+    read_trash_index = write_trash_index = 0
+
+    def __init__(self, index: int, layer_type: str, window: int | None):
+        self.index, self.layer_type, self.window = index, layer_type, window
+
+    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
+        seen = past_length if self.window is None else min(past_length, self.window - 1)
+        return seen + query_length
+
+
+class _NoSectors:
+    def try_to_free_sectors(self) -> None:
+        """kvmix's pool frees a request's pages when it ends."""
+
+
+class KVMixPagedCache(PagedAttentionCache):
+    """Continuous batching's cache, kept by a ``KVMixCache``: one row per running request in
+    every layer, admission by the bytes each request reserves."""
+
+    def __init__(self, model: Any, method: Method, budget: Budget, backend: str = "auto"):
+        # PagedAttentionCache.__init__ sizes and allocates a float cache: not called
+        self.config = model.config.get_text_config(decoder=True)
+        self.device, self.dtype = model.device, model.dtype
+        self.kv: KVMixCache = build_cache(model, method, backend)
+        self.budget = budget
+        self.layers = self.kv.packed_layers
+        windows = {layer.sliding_window for layer in self.layers}
+        self.cache_allocators = {kind: _Group(i, kind, window) for i, (kind, window) in
+                                 enumerate(sorted((_kind(w), w) for w in windows))}
+        self.max_batch_tokens = budget.max_batch_tokens
+        self.max_requests = budget.max_requests
+        positions = budget.arch.max_positions or 1 << 20
+        self.max_tokens_read = self.max_requests * positions
+        self.num_blocks = self.max_requests
+        self.max_blocks_per_request = 0  # no flash block-table path
+        self.max_decode_fast_path_length = 0
+        self.read_cache_limit = None
+        self.use_prefix_sharing = self.allow_block_sharing = False
+        self.bytes_per_sector = 1
+        self.pool = _NoSectors()
+        self.reserved: dict[str, float] = {}  # request id -> bytes held for it
+        self.rows: dict[str, int] = {}  # request id -> its row in every layer
+        self.order: list[str] = []  # row -> request id
+        self.peak_nbytes = 0
+        self._entries: list[tuple[str, int, int]] = []
+        self._step: Step | None = None
+        self._waiting_refused = False
+
+    # -- admission (the scheduler's questions) -------------------------------------------------
+
+    def begin_round(self) -> None:
+        """A scheduling round starts: requests wait in order of arrival (once one is refused,
+        no later one jumps it)."""
+        self._waiting_refused = False
+
+    def can_store_request_tokens(self, state: Any, request_len: int,
+                                 dry_run: bool = False) -> bool:
+        """A running request always fits (it reserved its longest footprint); a new one fits
+        when its whole prompt is in this forward and its footprint fits the budget."""
+        if state.request_id in self.reserved:
+            return True
+        need = self.budget.footprint(len(state.initial_tokens) + state.max_new_tokens)
+        fits = (not self._waiting_refused
+                and request_len == len(state.remaining_prefill_tokens)  # never split a prompt
+                and len(self.reserved) < self.max_requests
+                and sum(self.reserved.values()) + need <= self.budget.memory - self.budget.static)
+        if fits and not dry_run:
+            self.reserved[state.request_id] = need
+        self._waiting_refused |= not fits
+        return fits
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """A request ended (finished, failed or cancelled): its reservation and its row go; its
+        pages return to every layer's pool."""
+        self.reserved.pop(request_id, None)
+        row = self.rows.pop(request_id, None)
+        if row is None:
+            return
+        for layer in self.layers:
+            layer.leave(row)
+        last = self.order.pop()
+        if row < len(self.order):
+            self.order[row] = last
+            self.rows[last] = row
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        for layer in self.layers:
+            layer.reset()
+        self.reserved.clear()
+        self.rows.clear()
+        self.order.clear()
+
+    def reset(self) -> None:
+        self.free_all_requests()
+
+    def compute_free_capacity(self, relative: bool = True) -> float:
+        room = self.budget.memory - self.budget.static
+        free = room - sum(self.reserved.values())
+        return free / room if relative else free
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        return 0  # no prefix sharing: a shared prefix would share a selection made for another
+
+    def count_new_complete_blocks(self, state: Any, request_len: int) -> dict[str, int]:
+        return {}
+
+    def mark_complete_blocks(self, state: Any, complete_blocks: dict[str, int]) -> None:
+        return None
+
+    def evict_cached_blocks(self) -> bool:
+        return False
+
+    # -- the step: which request is where in the flat batch ------------------------------------
+
+    def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
+                                      read_index: Any, write_index: Any) -> None:
+        """Called once per request of the next forward, in batch order."""
+        if self._step is not None:  # the previous forward ran: a new batch begins
+            self._entries, self._step = [], None
+        self._entries.append((request_id, past_length, query_length))
+
+    def fill_block_table(self, *args: Any) -> None:
+        raise RuntimeError("kvmix's paged cache has no block-table path")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stage a layer's new tokens, [1, H, T, D] for the whole flat batch, for its attention
+        call; returns them."""
+        if self._step is None:
+            self._step = self._plan()
+        layer = self.kv.layers[layer_idx]
+        keys = layer.method.transform_keys(key_states, layer_idx)
+        _HANDOFF.staged = layer, self._step, keys, value_states
+        return key_states, value_states
+
+    def _plan(self) -> Step:
+        """The forward's segments: every row's new token (each running request decodes) and
+        the prompts of the requests admitted now, which become the next rows."""
+        positions: list[int | None] = [None] * len(self.order)
+        joins, start = [], 0
+        for request_id, past, length in self._entries:
+            row = self.rows.get(request_id)
+            if row is None:
+                joins.append((request_id, start, length))
+            elif length != 1 or past != self.layers[0].store.seen(row):
+                raise RuntimeError(f"request {request_id} holds {self.layers[0].store.seen(row)} "
+                                   f"tokens but the batch continues it at {past} with {length}")
+            else:
+                positions[row] = start
+            start += length
+        missing = [self.order[b] for b, at in enumerate(positions) if at is None]
+        if missing:
+            raise RuntimeError(f"running requests {missing} are not in this forward: kvmix's "
+                               "pool decodes every running request at every step")
+        for request_id, _, _ in joins:
+            self.rows[request_id] = len(self.order)
+            self.order.append(request_id)
+        decode = torch.tensor(positions, device=self.device) if positions else None
+        return Step(decode, [(at, length) for _, at, length in joins])
+
+    # -- figures -------------------------------------------------------------------------------
+
+    def figures(self) -> dict[str, float]:
+        """Pages used and free (every layer), bytes held and reserved, for the metrics."""
+        nbytes = self.kv.nbytes()
+        self.peak_nbytes = max(self.peak_nbytes, nbytes)
+        return {"pages_used": sum(layer.pool.used for layer in self.layers),
+                "pages_free": sum(len(layer.pool.free) for layer in self.layers),
+                "cache_bytes": nbytes, "cache_peak_bytes": self.peak_nbytes,
+                "cache_held_bytes": self.kv.held_nbytes(),
+                "reserved_bytes": sum(self.reserved.values()) + self.budget.static,
+                "budget_bytes": self.budget.memory}
+
+
+def _kind(window: int | None) -> str:
+    return "full_attention" if window is None else "sliding_attention"
+
+
+def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: Any, **kwargs) -> tuple[torch.Tensor, None]:
+    """One layer of a continuous-batching forward: query [1, Hq, T, D] of the flat batch ->
+    [1, T, Hq, D]. Every running request's token in one decode call, then each admitted
+    prompt over itself."""
+    layer, step, keys, values = _HANDOFF.staged
+    _HANDOFF.staged = None
+    check_window(layer, kwargs.get("sliding_window"))
+    query = layer.method.transform_queries(query, layer.layer_idx)
+    scaling = kwargs.get("scaling") or module.scaling
+    out = torch.empty_like(query)
+    if step.decode is not None:
+        rows = [x[0][:, step.decode].transpose(0, 1)[:, :, None] for x in (query, keys, values)]
+        out[0][:, step.decode] = layer.decode(*rows, scaling)[:, :, 0].transpose(0, 1)
+    if step.joins:
+        spans = [slice(at, at + length) for at, length in step.joins]
+        prompts = [tuple(x[:, :, span] for x in (query, keys, values)) for span in spans]
+        for span, o in zip(spans, layer.join(prompts, scaling), strict=True):
+            out[:, :, span] = o
+    return out.transpose(1, 2), None
+
+
+def register() -> None:
+    AttentionInterface.register(NAME, paged_attention)
+
+
+class KVMixScheduler(FIFOScheduler):
+    """transformers' FIFO scheduler, telling the cache when a round starts."""
+
+    def schedule_batch(self, token_budget: int, cache_budget: int):
+        self.cache.begin_round()
+        return super().schedule_batch(token_budget, cache_budget)
+
+
+class KVMixManager(ContinuousBatchingManager):
+    """transformers' continuous batching (scheduler, request states, streaming, results) with
+    kvmix's packed pool as its cache: ``add_request`` / ``get_result`` /
+    ``request_id_iter`` / ``register_result_handler`` as transformers documents them.
+    Greedy decoding (``generate``'s default); no beams, no ``num_return_sequences``."""
+
+    def __init__(self, model: Any, method: str | Method, memory: float, backend: str = "auto",
+                 max_new_tokens: int = 128, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+        self.method = parse_method(method)
+        self.backend = backend
+        model = prepare_model(model, self.method)
+        cache = build_cache(model, self.method, backend)  # refuses what it must; binds the method
+        if len(cache.packed_layers) < len(cache.layers):
+            raise ValueError("kvmix serves models whose attention layers are all full or "
+                             "sliding-window ones; this one has layers of another kind")
+        self.budget = Budget(self.method, model_architecture(model), model.dtype, memory,
+                             max_batch_tokens)
+        self.stats = Stats()
+        generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
+                                      eos_token_id=_eos(model))
+        config = ContinuousBatchingConfig(
+            max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.max_requests,
+            max_blocks_per_request=0, allow_block_sharing=False, use_async_batching=False,
+            use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False)
+        super().__init__(model, generation, config)
+
+    def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
+        register()
+        if model.config._attn_implementation != NAME:
+            self._original_attn_impl = model.config._attn_implementation
+            model.set_attn_implementation(NAME)
+
+    def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
+        """Why such a request can never be served, or None (``Budget.refusal``)."""
+        return self.budget.refusal(prompt, new_tokens)
+
+    def add_request(self, input_ids: list[int], request_id: str | None = None,
+                    max_new_tokens: int | None = None, **kwargs: Any) -> str | None:
+        """transformers' ``add_request``, after refusing a request that can never fit."""
+        new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None \
+            else max_new_tokens
+        why = self.refusal(len(input_ids), new_tokens)
+        if why:
+            raise ValueError(why)
+        return super().add_request(input_ids, request_id, new_tokens, **kwargs)
+
+    @property
+    def cache(self) -> KVMixPagedCache | None:
+        processor = self.batch_processor
+        return None if processor is None else processor.cache
+
+    def _create_batch_processor(self) -> ContinuousBatchProcessor:
+        """transformers' own, with kvmix's cache and scheduler."""
+        if isinstance(self.batch_processor, ContinuousBatchProcessor):
+            self.batch_processor.reset()
+            return self.batch_processor
+        cache = KVMixPagedCache(self.model, self.method, self.budget, self.backend)
+        config = self.continuous_batching_config
+        update_cb_config_after_cache_creation(config, cache.num_blocks, cache.max_batch_tokens)
+        scheduler = KVMixScheduler(cache, 0.0, config.max_requests_per_batch)
+        return ContinuousBatchProcessor(
+            cache=cache, config=self.model.config.get_text_config(),
+            generation_config=self.generation_config, continuous_batching_config=config,
+            logit_processor=self.logit_processor, input_queue=self.input_queue,
+            cancel_queue=self.cancel_queue, output_router=self.output_router,
+            background_thread_status=self.background_thread_status,
+            model_device=self.model.device, model_dtype=self.model.dtype, scheduler=scheduler,
+            distributed_helper=self.distributed_helper)
+
+    def _generation_step(self) -> None:
+        start = perf_counter()
+        super()._generation_step()
+        self.stats.record(self.batch_processor, perf_counter() - start)
+
+
+def _eos(model: Any) -> int | list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    return -1 if eos is None else eos
+
+
+def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = "kivi2",
+                   max_new_tokens: int = 128, memory: float = 1e9, backend: str = "auto",
+                   max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> list[list[int]]:
+    """Greedy continuous batching of ``prompts`` (token ids) with a kvmix cache of ``memory``
+    bytes: requests join as their bytes fit and leave as they finish -> each prompt's new
+    tokens, in order (each what ``generate`` gives that prompt alone with the method)."""
+    manager = KVMixManager(model, method, memory, backend, max_new_tokens, max_batch_tokens)
+    for prompt in prompts:
+        why = manager.refusal(len(prompt), max_new_tokens)
+        if why:
+            raise ValueError(why)
+    manager.start()
+    try:
+        ids = [manager.add_request(list(prompt), max_new_tokens=max_new_tokens)
+               for prompt in prompts]
+        results = {}
+        while len(results) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError(f"the generation loop stopped: "
+                                   f"{manager.background_thread_status.fatal_error}")
+    finally:
+        manager.stop(block=True)
+    failed = {rid: r.error for rid, r in results.items() if r.error is not None}
+    if failed:
+        raise RuntimeError(f"requests failed: {failed}")
+    return [results[rid].generated_tokens for rid in ids]
