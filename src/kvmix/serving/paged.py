@@ -254,7 +254,8 @@ def _kind(window: int | None) -> str:
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: Any, **kwargs) -> tuple[torch.Tensor, None]:
+                    value: torch.Tensor, attention_mask: Any,
+                    **kwargs) -> tuple[torch.Tensor, None]:
     """One layer of a continuous-batching forward: query [1, Hq, T, D] of the flat batch ->
     [1, T, Hq, D]. Every running request's token in one decode call, then each admitted
     prompt over itself."""
