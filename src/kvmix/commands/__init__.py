@@ -17,9 +17,10 @@ from kvmix.commands import (
     plan,
     recommend,
     recon,
+    serve,
     sweep,
     transforms,
 )
 
 COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
-            keyfirst, recon, calibrate, transforms, export, recommend, methods)
+            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve)

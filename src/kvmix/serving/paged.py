@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from time import perf_counter
 from typing import Any
 
 import torch
-from transformers import AttentionInterface, GenerationConfig
+from transformers import AttentionInterface
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import (
     ContinuousBatchingManager,
@@ -47,6 +46,7 @@ from kvmix.methods import Method, parse_method
 from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
+from kvmix.serving.anchor import Measured, greedy
 from kvmix.serving.budget import Budget, model_architecture
 from kvmix.serving.stats import Stats
 
@@ -288,7 +288,7 @@ class KVMixScheduler(FIFOScheduler):
         return super().schedule_batch(token_budget, cache_budget)
 
 
-class KVMixManager(ContinuousBatchingManager):
+class KVMixManager(Measured, ContinuousBatchingManager):
     """transformers' continuous batching (scheduler, request states, streaming, results) with
     kvmix's packed pool as its cache: ``add_request`` / ``get_result`` /
     ``request_id_iter`` / ``register_result_handler`` as transformers documents them.
@@ -306,13 +306,11 @@ class KVMixManager(ContinuousBatchingManager):
         self.budget = Budget(self.method, model_architecture(model), model.dtype, memory,
                              max_batch_tokens)
         self.stats = Stats()
-        generation = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False,
-                                      eos_token_id=_eos(model))
         config = ContinuousBatchingConfig(
             max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.max_requests,
             max_blocks_per_request=0, allow_block_sharing=False, use_async_batching=False,
             use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False)
-        super().__init__(model, generation, config)
+        super().__init__(model, greedy(model, max_new_tokens), config)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         register()
@@ -357,15 +355,6 @@ class KVMixManager(ContinuousBatchingManager):
             model_device=self.model.device, model_dtype=self.model.dtype, scheduler=scheduler,
             distributed_helper=self.distributed_helper)
 
-    def _generation_step(self) -> None:
-        start = perf_counter()
-        super()._generation_step()
-        self.stats.record(self.batch_processor, perf_counter() - start)
-
-
-def _eos(model: Any) -> int | list[int]:
-    eos = getattr(model.generation_config, "eos_token_id", None)
-    return -1 if eos is None else eos
 
 
 def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = "kivi2",

@@ -26,21 +26,24 @@ class Stats:
         states = [f.state for f in processor.inputs_and_outputs.requests_in_batch
                   if f.has_new_token]
         firsts = [now - s.created_time for s in states if s.generated_len() == 0]
-        figures = cache_figures(processor.cache)
-        scheduler = processor.scheduler
         with self._lock:
             self._recent.append((now, len(states)))
             while self._recent and self._recent[0][0] < now - WINDOW:
                 self._recent.popleft()
             v = self.values
-            v["running"], v["waiting"] = len(scheduler.active_requests), len(
-                scheduler.waiting_requests)
             v["steps"] += 1
             v["output_tokens"] += len(states)
             v["ttft_sum"] += sum(firsts)
             v["ttft_count"] += len(firsts)
             v["last_step_seconds"] = seconds
-            v.update(figures)
+
+    def refresh(self, processor: Any) -> None:
+        """The gauges after a turn of the loop: requests running and waiting, the cache."""
+        figures = cache_figures(processor.cache)
+        scheduler = processor.scheduler
+        with self._lock:
+            self.values.update(figures, running=len(scheduler.active_requests),
+                               waiting=len(scheduler.waiting_requests))
 
     def snapshot(self) -> dict[str, float]:
         """The figures now, with output tokens/s over the last ``WINDOW`` seconds."""
