@@ -35,7 +35,7 @@ class Budget:
         if self.memory <= self.static:
             raise ValueError(f"memory={self.memory:.0f} bytes does not even hold the method's "
                              f"static tensors ({self.static:.0f} bytes)")
-        if self.max_batch_tokens < 2:
+        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 2:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} is invalid; expected an "
                              "integer >= 2")
 
@@ -54,10 +54,10 @@ class Budget:
 
     @property
     def max_requests(self) -> int:
-        """Requests that can run at once: every one decodes a token per forward, and holds its
-        float slots at least."""
+        """Requests that can run at once: each holds its float slots at least, and decodes a
+        token at every forward (a prompt joins when the tokens left fit it whole)."""
         room = int((self.memory - self.static) // self.footprint(1))
-        return max(min(room, self.max_batch_tokens // 2, 1024), 1)
+        return max(min(room, self.max_batch_tokens - 1, 1024), 1)
 
     def fits(self, prompt: int, new_tokens: int) -> int:
         """How many such requests run at once."""
@@ -74,10 +74,10 @@ class Budget:
         if limit is not None and prompt + new_tokens > limit:
             return (f"the prompt ({prompt} tokens) plus max_tokens={new_tokens} exceeds the "
                     f"model's {limit} positions")
-        if prompt > self.max_batch_tokens - self.max_requests + 1:
-            return (f"the prompt ({prompt} tokens) exceeds what one forward prefills beside the "
-                    f"running requests: max_batch_tokens={self.max_batch_tokens} less "
-                    f"{self.max_requests - 1} decode tokens")
+        if prompt > self.max_batch_tokens:
+            return (f"the prompt ({prompt} tokens) exceeds max_batch_tokens="
+                    f"{self.max_batch_tokens}, the tokens of one forward (a prompt is never "
+                    "split)")
         need = self.footprint(prompt + new_tokens)
         if need > self.memory - self.static:
             return (f"the request needs {need / 1e6:.1f} MB of cache at {prompt + new_tokens} "

@@ -204,6 +204,10 @@ class KVMixPagedCache(PagedAttentionCache):
         """Stage a layer's new tokens, [1, H, T, D] for the whole flat batch, for its attention
         call; returns them."""
         if self._step is None:
+            if self.config._attn_implementation != NAME:
+                raise RuntimeError(f"the model's attention is {self.config._attn_implementation!r}"
+                                   f", not {NAME!r}: it was switched while serving (use another "
+                                   "copy of the model for generate)")
             self._step = self._plan()
         layer = self.kv.layers[layer_idx]
         keys = layer.method.transform_keys(key_states, layer_idx)

@@ -29,8 +29,6 @@ from transformers.cli.serving.model_manager import ModelManager, TimedModel
 from transformers.cli.serving.server import build_server
 from transformers.cli.serving.utils import CBGenerateManager, GenerationState
 
-from kvmix.serving.stats import Stats
-
 # transformers' routes this server does not offer (no handler behind them here)
 UNSERVED = {"/v1/responses", "/v1/systemone", "/v1/audio/transcriptions", "/load_model",
             "/reset"}
