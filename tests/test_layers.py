@@ -1,5 +1,6 @@
 """The package's folders are its layers: a module imports only from its own layer or below, and
-only the model-loading and runtime modules import transformers."""
+only the model-loading, runtime and serving modules (transformers' cache, attention registry,
+continuous batching and serving app) import transformers."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvmix"
-LAYERS = ("core", "methods", "models", "runtime", "evaluation", "commands", "cli")
-TRANSFORMERS_ALLOWED = ("models/loading.py", "runtime/")
+LAYERS = ("core", "methods", "models", "runtime", "evaluation", "serving", "commands", "cli")
+TRANSFORMERS_ALLOWED = ("models/loading.py", "runtime/", "serving/")
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 

@@ -9,6 +9,7 @@ from kvmix.commands import (
     export,
     harness,
     keyfirst,
+    loadtest,
     longgen,
     methods,
     needle,
@@ -23,4 +24,4 @@ from kvmix.commands import (
 )
 
 COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
-            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve)
+            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve, loadtest)
