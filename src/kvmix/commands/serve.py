@@ -91,7 +91,7 @@ def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
     length = config.fit_prompt + config.max_tokens
     if not hasattr(manager, "budget"):
         fits = int(manager.blocks // -(-length // 256))
-        return (f"{ANCHOR}'s paged float cache: {manager.blocks} pages of 256 tokens in "
+        return (f"transformers' paged float cache: {manager.blocks} pages of 256 tokens in "
                 f"{memory / 1e9:.3g} GB: {fits} requests of {config.fit_prompt} + "
                 f"{config.max_tokens} tokens at once")
     budget = manager.budget
