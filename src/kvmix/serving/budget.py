@@ -59,6 +59,17 @@ class Budget:
         room = int((self.memory - self.static) // self.footprint(1))
         return max(min(room, self.max_batch_tokens - 1, 1024), 1)
 
+    @functools.cached_property
+    def longest(self) -> int:
+        """The most tokens one request can reach: the model's positions, or what the budget
+        holds for it alone."""
+        low, high = 1, self.arch.max_positions or 1 << 24
+        while low < high:  # footprints grow with tokens
+            middle = (low + high + 1) // 2
+            low, high = (middle, high) if self.footprint(middle) <= self.memory - self.static \
+                else (low, middle - 1)
+        return low
+
     def fits(self, prompt: int, new_tokens: int) -> int:
         """How many such requests run at once."""
         return int((self.memory - self.static) // self.footprint(prompt + new_tokens))

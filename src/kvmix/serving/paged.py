@@ -42,10 +42,12 @@ from transformers.generation.continuous_batching.initialization import (
     update_cb_config_after_cache_creation,
 )
 
+from kvmix.evaluation.planner import parse_memory
 from kvmix.methods import Method, parse_method
 from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.pool import FREE
 from kvmix.serving.anchor import Measured, greedy
 from kvmix.serving.budget import Budget, model_architecture
 from kvmix.serving.stats import Stats
@@ -106,9 +108,9 @@ class KVMixPagedCache(PagedAttentionCache):
                                  enumerate(sorted((_kind(w), w) for w in windows))}
         self.max_batch_tokens = budget.max_batch_tokens
         self.max_requests = budget.max_requests
-        positions = budget.arch.max_positions or 1 << 20
-        self.max_tokens_read = self.max_requests * positions
-        self.num_blocks = self.max_requests
+        # the scheduler's bound on the tokens a forward's requests hold: never the binding one
+        self.max_tokens_read = self.max_requests * budget.longest
+        self.num_blocks = self.max_requests  # transformers' config records it; no float blocks
         self.max_blocks_per_request = 0  # no flash block-table path
         self.max_decode_fast_path_length = 0
         self.read_cache_limit = None
@@ -243,12 +245,13 @@ class KVMixPagedCache(PagedAttentionCache):
 
     def figures(self) -> dict[str, float]:
         """Pages used and free (every layer), bytes held and reserved, for the metrics."""
-        nbytes = self.kv.nbytes()
+        kinds = self.kv.nbytes_breakdown()
+        nbytes = sum(kinds.values())
         self.peak_nbytes = max(self.peak_nbytes, nbytes)
         return {"pages_used": sum(layer.pool.used for layer in self.layers),
                 "pages_free": sum(len(layer.pool.free) for layer in self.layers),
                 "cache_bytes": nbytes, "cache_peak_bytes": self.peak_nbytes,
-                "cache_held_bytes": self.kv.held_nbytes(),
+                "cache_held_bytes": nbytes - kinds.get(FREE, 0),
                 "reserved_bytes": sum(self.reserved.values()) + self.budget.static,
                 "budget_bytes": self.budget.memory}
 
@@ -298,9 +301,12 @@ class KVMixManager(Measured, ContinuousBatchingManager):
     ``request_id_iter`` / ``register_result_handler`` as transformers documents them.
     Greedy decoding (``generate``'s default); no beams, no ``num_return_sequences``."""
 
-    def __init__(self, model: Any, method: str | Method, memory: float, backend: str = "auto",
-                 max_new_tokens: int = 128, max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+    def __init__(self, model: Any, method: str | Method, memory: float | str,
+                 backend: str = "auto", max_new_tokens: int = 128,
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
+        """memory: the KV cache budget, bytes or a size like ``"2GB"``."""
         self.method = parse_method(method)
+        memory = parse_memory(memory) if isinstance(memory, str) else float(memory)
         self.backend = backend
         model = prepare_model(model, self.method)
         cache = build_cache(model, self.method, backend)  # refuses what it must; binds the method
@@ -362,7 +368,7 @@ class KVMixManager(Measured, ContinuousBatchingManager):
 
 
 def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = "kivi2",
-                   max_new_tokens: int = 128, memory: float = 1e9, backend: str = "auto",
+                   max_new_tokens: int = 128, memory: float | str = 1e9, backend: str = "auto",
                    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS) -> list[list[int]]:
     """Greedy continuous batching of ``prompts`` (token ids) with a kvmix cache of ``memory``
     bytes: requests join as their bytes fit and leave as they finish -> each prompt's new

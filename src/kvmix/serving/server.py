@@ -28,6 +28,7 @@ from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.model_manager import ModelManager, TimedModel
 from transformers.cli.serving.server import build_server
 from transformers.cli.serving.utils import CBGenerateManager, GenerationState
+from transformers.utils import logging
 
 # transformers' routes this server does not offer (no handler behind them here)
 UNSERVED = {"/v1/responses", "/v1/systemone", "/v1/audio/transcriptions", "/load_model",
@@ -157,6 +158,8 @@ class State(GenerationState):
 def build_app(manager: Any, tokenizer: Any, name: str, max_tokens: int = 128,
               max_waiting: int = 0) -> FastAPI:
     """The app over ``manager`` (a started ``KVMixManager`` or ``TransformersManager``)."""
+    for handler in ("completion", "chat_completion"):  # a warning line per request
+        logging.get_logger(f"transformers.cli.serving.{handler}").setLevel(logging.ERROR)
     models = Models(manager.model, tokenizer, name)
     state = State(Generation(manager, max_waiting))
     handlers = [cls(model_manager=models, generation_state=state) for cls in (Chat,
