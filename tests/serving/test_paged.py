@@ -45,13 +45,17 @@ def budget_for(model, method: str, requests: float, tokens: int) -> float:
     return requests * budget.footprint(tokens) + budget.static
 
 
-def watch_steps(monkeypatch) -> list[tuple[int, float]]:
-    """(rows, bytes reserved) at every forward's plan."""
+def watch_steps(monkeypatch) -> list[tuple[int, float, float, float]]:
+    """At every forward's plan: (rows, bytes reserved, bytes the cache holds for tokens, bytes
+    of every storage it keeps but the static tensors)."""
     seen, plan = [], KVMixPagedCache._plan
 
     def recorded(cache):
         step = plan(cache)
-        seen.append((len(cache.order), sum(cache.reserved.values())))
+        kinds = cache.kv.nbytes_breakdown()
+        kept = sum(kinds.values()) - kinds.get("static", 0)
+        seen.append((len(cache.order), cache.reserved_bytes(), kept - kinds.get("free", 0),
+                     kept))
         return step
 
     monkeypatch.setattr(KVMixPagedCache, "_plan", recorded)
@@ -65,22 +69,25 @@ def watch_steps(monkeypatch) -> list[tuple[int, float]]:
 def test_each_request_gets_what_generate_gives_it_alone(model, name, backend, monkeypatch):
     """Six prompts with a budget of 2.5 of them: requests join as others leave (several pages
     sealed per request, at different steps), and each one's 40 greedy tokens equal its solo
-    run's, token for token."""
+    run's, token for token; the cache's storage stays within the budget."""
     method = method_string(name, model if name == "wush" else None)
     memory = budget_for(model, method, 2.5, max(LENGTHS) + NEW)
     steps = watch_steps(monkeypatch)
     out = generate_batch(model, prompts(), method, NEW, memory, backend)
     for b, prompt in enumerate(prompts()):
         assert out[b] == alone(model, method, prompt, backend), f"request {b}"
-    assert 2 <= max(rows for rows, _ in steps) < len(LENGTHS)  # several at once; some waited
-    assert max(reserved for _, reserved in steps) <= memory
+    assert 2 <= max(rows for rows, *_ in steps) < len(LENGTHS)  # several at once; some waited
+    assert all(held <= reserved for _, reserved, held, _ in steps)  # what is held was reserved
+    static = KVMixManager(model, method, 1e9).budget.static
+    assert max(kept for *_, kept in steps) <= memory - static  # never more storage than that
 
 
 def test_requests_wait_for_bytes_and_return_their_pages(model):
     """A budget of one request: they run one at a time, in order of arrival; once all end,
     every layer's pool holds no page in use and no row, and nothing stays reserved."""
     method = method_string("kivi2")
-    manager = KVMixManager(model, method, budget_for(model, method, 1.2, 110), max_new_tokens=NEW)
+    manager = KVMixManager(model, method, budget_for(model, method, 1.2, 110), max_new_tokens=NEW,
+                           length=110)
     manager.start()
     try:
         ids = [manager.add_request(p) for p in prompts()]
@@ -116,14 +123,17 @@ def test_a_sliding_window_model_serves_each_request_as_alone():
 
 
 def test_what_can_never_be_served_is_refused_before_any_work(model):
-    """A prompt beyond the model's positions, a request beyond the budget, an empty prompt, a
-    bad max_new_tokens: ValueError naming the limit, no thread started."""
+    """A prompt beyond the model's positions, a request beyond the budget (or a budget that
+    holds no request of the size it is split for), an empty prompt, a bad max_new_tokens:
+    ValueError naming the limit, no thread started."""
     method = method_string("kivi2")
     memory = budget_for(model, method, 1.5, 100)
     with pytest.raises(ValueError, match="512 positions"):
         generate_batch(model, [list(range(1, 500))], method, 20, 1e8)
-    with pytest.raises(ValueError, match="beyond the budget memory="):
+    with pytest.raises(ValueError, match=r"holds no request of 470 tokens"):
         generate_batch(model, prompts(), method, 400, memory)
+    why = KVMixManager(model, method, memory, length=100).refusal(50, 400)
+    assert "beyond the budget memory=" in why and "at most" in why
     with pytest.raises(ValueError, match="prompt is empty"):
         generate_batch(model, [[]], method, 20, 1e8)
     with pytest.raises(ValueError, match=r"max_new_tokens. must be greater than 0"):

@@ -48,8 +48,8 @@ def model(tokenizer):
 def served(model, tokenizer):
     """(manager, base url): the server on 127.0.0.1, a free port, stopped after the module."""
     budget = KVMixManager(model, METHOD, 1e9).budget
-    memory = 4 * budget.footprint(64) + budget.static  # four such requests at once
-    manager = KVMixManager(model, METHOD, memory, max_new_tokens=NEW)
+    memory = 4 * budget.footprint(200) + budget.static  # four requests of 200 tokens at once
+    manager = KVMixManager(model, METHOD, memory, max_new_tokens=NEW, length=200)
     server = Server(build_app(manager, tokenizer, "tiny", NEW), "127.0.0.1", 0)
     manager.start()
     server.start()

@@ -82,7 +82,7 @@ def build(config: ServeConfig) -> tuple[Any, Any, str]:
                                       config.max_batch_tokens)
     else:
         manager = KVMixManager(loaded.model, method, memory, config.backend, config.max_tokens,
-                               config.max_batch_tokens)
+                               config.max_batch_tokens, config.fit_prompt + config.max_tokens)
     return manager, loaded.tokenizer, fit_line(manager, config, memory)
 
 
@@ -95,11 +95,11 @@ def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
                 f"{memory / 1e9:.3g} GB: {fits} requests of {config.fit_prompt} + "
                 f"{config.max_tokens} tokens at once")
     budget = manager.budget
-    each = budget.footprint(length)
-    return (f"{config.method}: {budget.fits(config.fit_prompt, config.max_tokens)} requests "
-            f"of {config.fit_prompt} + {config.max_tokens} tokens fit {memory / 1e9:.3g} GB at "
-            f"once ({each / 1e6:.2f} MB each by the planner's formula, at most "
-            f"{budget.max_requests} running)")
+    return (f"{config.method}: {budget.rows} requests of {config.fit_prompt} + "
+            f"{config.max_tokens} tokens fit {memory / 1e9:.3g} GB at once "
+            f"({budget.footprint(length) / 1e6:.2f} MB each by the planner's formula); the "
+            f"cache is allocated for them: float slots for {budget.rows} requests and "
+            f"{budget.capacity[-1]} pages per layer")
 
 
 def run_serve(config: ServeConfig) -> None:

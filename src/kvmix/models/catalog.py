@@ -97,4 +97,6 @@ def _layer_types(text: dict[str, Any], layers: int) -> tuple[str, ...]:
     pattern = text.get("sliding_window_pattern")
     if text.get("sliding_window") and pattern:  # Gemma-3: every pattern-th layer is global
         return tuple(FULL if (i + 1) % pattern == 0 else SLIDING for i in range(layers))
+    if text.get("sliding_window") and text.get("use_sliding_window", True):
+        return (SLIDING,) * layers  # Mistral: a window and no layer types, as transformers reads it
     return (FULL,) * layers

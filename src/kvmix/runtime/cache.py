@@ -27,8 +27,8 @@ QUANTIZED_LAYER_TYPES = ("full_attention", "sliding_attention")
 FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
 
 
-def _max_pages(method: Method, max_batch: int | None, max_tokens: int | None,
-               window: int | None = None) -> int | None:
+def max_pages(method: Method, max_batch: int | None, max_tokens: int | None,
+              window: int | None = None) -> int | None:
     """Pages a pool sized up front holds: every sequence's full groups at ``max_tokens`` (in a
     sliding-window layer at most the pages that meet the window, twice: a commit seals new
     pages before it releases old ones)."""
@@ -90,13 +90,13 @@ class KVMixCache(Cache):
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
-        _max_pages(self.method, max_batch, max_tokens)  # both or neither, before any layer
+        max_pages(self.method, max_batch, max_tokens)  # both or neither, before any layer
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
         layers = [
             KVMixLayer(self.method, i, backend, max_batch,
-                       _max_pages(self.method, max_batch, max_tokens,
-                                  kwargs.get("sliding_window")), kwargs.get("sliding_window"))
+                       max_pages(self.method, max_batch, max_tokens,
+                                 kwargs.get("sliding_window")), kwargs.get("sliding_window"))
             if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))

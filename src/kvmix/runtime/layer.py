@@ -191,6 +191,8 @@ class KVMixLayer(CacheLayerMixin):
             check_finite(keys, values, self.layer_idx)
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
+            if self.max_batch is not None:  # a cache sized up front: every row's slots now
+                self.store.reserve_rows(self.max_batch)
         first = self.store.batch
         self._check_batch(first + len(prompts))
         self.store.add_rows(len(prompts))

@@ -98,16 +98,21 @@ class BatchStore:
         doubling, so a join copies no other row's slots but at a doubling."""
         total = self.batch + count
         if total > self.slot_rows:
-            grown = self._slot_buffers(max(total, 2 * self.slot_rows), self._buffers[0])
-            for old, new in zip(self._buffers, grown, strict=True):
-                new[: self.batch] = old[: self.batch]
-            self._buffers = grown
+            self.reserve_rows(max(total, 2 * self.slot_rows))
         for name, empty in (("sink_len", 0), ("res_len", 0), ("dropped", 0),
                             ("selections", None), ("prefilled", False)):
             getattr(self, name).extend([empty] * count)
         self.pages += [[] for _ in range(count)]
         self.held += [[] for _ in range(count)]
         self._view(total)
+
+    def reserve_rows(self, rows: int) -> None:
+        """Slot buffers for ``rows`` rows (the rows in use are copied over)."""
+        grown = self._slot_buffers(rows, self._buffers[0])
+        for old, new in zip(self._buffers, grown, strict=True):
+            new[: self.batch] = old[: self.batch]
+        self._buffers = grown
+        self._view(self.batch)
 
     def remove_row(self, b: int) -> int:
         """Row ``b`` leaves (a request ended): its pages go back to the pool and the last row

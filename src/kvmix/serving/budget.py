@@ -1,11 +1,19 @@
-"""Admission by bytes (SPEC §11): what one request holds at its longest, by the planner's formula
-for this model, and whether a request can ever be served.
+"""Admission by bytes (SPEC §11): the cache's storage sized once from the budget, and what one
+request reserves of it.
 
-The policy is a full reservation: a request is admitted when the bytes it will hold at ``prompt
-+ max_new_tokens`` tokens fit the budget beside every running request's reservation, and keeps
-them until it ends. A running request therefore never lacks a page, so nothing is evicted,
-offloaded or re-prefilled (a re-prefill would change a PN-Mix selection, and the output would
-no longer be what ``generate`` gives the prompt alone).
+The budget is split once, for requests of ``length`` tokens: ``rows`` requests of that length
+fit it by the planner's formula (float slots whole, pages at the method's bits, selection), and
+every layer gets float slots for ``rows`` requests and a pool of the pages ``rows`` requests of
+``span`` tokens hold (``span`` >= ``length``: what the budget leaves for pages once the rows
+are capped). That storage is allocated when first used and never grows, so the cache never
+holds more than ``memory``.
+
+The policy is a full reservation: a request is admitted when a row is free and the pages it
+will hold at ``prompt + max_new_tokens`` tokens fit beside every running request's, in every
+layer, and keeps them until it ends. A running request therefore never lacks a page, so
+nothing is evicted, offloaded or re-prefilled (a re-prefill would change a PN-Mix selection,
+and the output would no longer be what ``generate`` gives the prompt alone). Requests longer
+than ``length`` run fewer at once, shorter ones are bounded by the rows.
 """
 
 from __future__ import annotations
@@ -17,27 +25,37 @@ import torch
 
 from kvmix.evaluation.planner import kv_bytes
 from kvmix.methods import Method
-from kvmix.models.catalog import Architecture, from_config
+from kvmix.models.catalog import SLIDING, Architecture, from_config
+from kvmix.runtime.cache import max_pages
+
+MOST_ROWS = 1024  # transformers' own cap on the requests of one batch
 
 
 @dataclass
 class Budget:
-    """The cache bytes a server may hold and the sizes one forward may take."""
+    """The cache bytes a server may hold, how they are split, and the tokens of one forward."""
 
-    method: Method
+    method: Method  # bound to the model
     arch: Architecture
     dtype: torch.dtype
-    memory: float  # bytes of KV cache: every request's reservation plus the method's static
+    memory: float  # bytes of KV cache, the method's static tensors included
     max_batch_tokens: int  # tokens of one forward: running requests' new tokens and prompts
+    length: int  # tokens of the request the storage is split for
     _footprints: dict[int, float] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        for name in ("max_batch_tokens", "length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 2:
+                raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 2")
         if self.memory <= self.static:
             raise ValueError(f"memory={self.memory:.0f} bytes does not even hold the method's "
                              f"static tensors ({self.static:.0f} bytes)")
-        if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < 2:
-            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} is invalid; expected an "
-                             "integer >= 2")
+        if self.fits(self.length) < 1:
+            raise ValueError(f"memory={self.memory / 1e6:.2f} MB holds no request of "
+                             f"{self.length} tokens ({self.footprint(self.length) / 1e6:.2f} MB "
+                             "each by the planner's formula): raise the memory or size the "
+                             "split for shorter requests")
 
     @functools.cached_property
     def static(self) -> float:
@@ -45,34 +63,48 @@ class Budget:
         return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["static"]
 
     def footprint(self, tokens: int) -> float:
-        """Bytes one request holds at ``tokens`` tokens (its float slots whole, its pages at the
-        method's bits, its selection), the planner's formula."""
+        """Bytes one request holds at ``tokens`` tokens, the planner's formula."""
         if tokens not in self._footprints:
             parts = kv_bytes(self.method, self.arch, 1, tokens, self.dtype)
             self._footprints[tokens] = sum(parts.values()) - parts["static"]
         return self._footprints[tokens]
 
-    @property
-    def max_requests(self) -> int:
-        """Requests that can run at once: each holds its float slots at least, and decodes a
-        token at every forward (a prompt joins when the tokens left fit it whole)."""
-        room = int((self.memory - self.static) // self.footprint(1))
-        return max(min(room, self.max_batch_tokens - 1, 1024), 1)
+    def fits(self, tokens: int) -> int:
+        """How many requests of ``tokens`` tokens the budget holds at once."""
+        return int((self.memory - self.static) // self.footprint(tokens))
+
+    @functools.cached_property
+    def rows(self) -> int:
+        """Requests that run at once (each decodes a token at every forward)."""
+        return min(self.fits(self.length), self.max_batch_tokens - 1, MOST_ROWS)
+
+    @functools.cached_property
+    def windows(self) -> list[int | None]:
+        """The distinct windows of the model's layers (None: full attention)."""
+        return sorted({self.arch.sliding_window if kind == SLIDING else None
+                       for kind in self.arch.layer_types}, key=lambda w: w or 0)
+
+    def pages(self, tokens: int) -> list[int]:
+        """Pages one request of ``tokens`` tokens holds at most, per window of ``windows``."""
+        return [max_pages(self.method, 1, tokens, w) for w in self.windows]
+
+    @functools.cached_property
+    def span(self) -> int:
+        """The longest requests of which ``rows`` fit the budget (>= ``length``)."""
+        room = self.memory - self.static
+        return _last(self.length, 1 << 24, lambda t: self.rows * self.footprint(t) <= room)
+
+    @functools.cached_property
+    def capacity(self) -> list[int]:
+        """Pages of each layer's pool, per window: ``rows`` requests of ``span`` tokens."""
+        return [max_pages(self.method, self.rows, self.span, w) for w in self.windows]
 
     @functools.cached_property
     def longest(self) -> int:
-        """The most tokens one request can reach: the model's positions, or what the budget
-        holds for it alone."""
-        low, high = 1, self.arch.max_positions or 1 << 24
-        while low < high:  # footprints grow with tokens
-            middle = (low + high + 1) // 2
-            low, high = (middle, high) if self.footprint(middle) <= self.memory - self.static \
-                else (low, middle - 1)
-        return low
-
-    def fits(self, prompt: int, new_tokens: int) -> int:
-        """How many such requests run at once."""
-        return int((self.memory - self.static) // self.footprint(prompt + new_tokens))
+        """The most tokens one request can reach: the model's positions, or what the pools
+        hold for it alone."""
+        return _last(1, self.arch.max_positions or 1 << 24, lambda t: all(
+            n <= c for n, c in zip(self.pages(t), self.capacity, strict=True)))
 
     def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
         """Why a request of ``prompt`` tokens asking for ``new_tokens`` can never be served, or
@@ -89,11 +121,21 @@ class Budget:
             return (f"the prompt ({prompt} tokens) exceeds max_batch_tokens="
                     f"{self.max_batch_tokens}, the tokens of one forward (a prompt is never "
                     "split)")
-        need = self.footprint(prompt + new_tokens)
-        if need > self.memory - self.static:
-            return (f"the request needs {need / 1e6:.1f} MB of cache at {prompt + new_tokens} "
-                    f"tokens, beyond the budget memory={self.memory / 1e6:.1f} MB")
+        if prompt + new_tokens > self.longest:
+            return (f"the request needs {self.footprint(prompt + new_tokens) / 1e6:.2f} MB of "
+                    f"cache at {prompt + new_tokens} tokens, beyond the budget memory="
+                    f"{self.memory / 1e6:.2f} MB (split for {self.rows} requests of "
+                    f"{self.span} tokens: at most {self.longest} tokens for one)")
         return None
+
+
+def _last(low: int, high: int, holds) -> int:
+    """The largest t in [low, high] for which ``holds(t)``, a predicate true at ``low`` and
+    monotone (true, then false)."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        low, high = (middle, high) if holds(middle) else (low, middle - 1)
+    return low
 
 
 def model_architecture(model) -> Architecture:

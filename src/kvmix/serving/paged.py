@@ -26,7 +26,7 @@ are exactly the requests decoding plus the ones joining.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from transformers.generation.continuous_batching.initialization import (
 
 from kvmix.evaluation.planner import parse_memory
 from kvmix.methods import Method, parse_method
+from kvmix.models.catalog import FULL, SLIDING, Architecture
 from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
@@ -93,31 +94,30 @@ class _NoSectors:
 
 
 class KVMixPagedCache(PagedAttentionCache):
-    """Continuous batching's cache, kept by a ``KVMixCache``: one row per running request in
-    every layer, admission by the bytes each request reserves."""
+    """Continuous batching's cache, kept by a ``KVMixCache`` sized once from the budget: one
+    row per running request in every layer, admission by the pages each request reserves."""
 
     def __init__(self, model: Any, method: Method, budget: Budget, backend: str = "auto"):
         # PagedAttentionCache.__init__ sizes and allocates a float cache: not called
         self.config = model.config.get_text_config(decoder=True)
         self.device, self.dtype = model.device, model.dtype
-        self.kv: KVMixCache = build_cache(model, method, backend)
+        self.kv: KVMixCache = build_cache(model, method, backend, budget.rows, budget.span)
         self.budget = budget
         self.layers = self.kv.packed_layers
-        windows = {layer.sliding_window for layer in self.layers}
-        self.cache_allocators = {kind: _Group(i, kind, window) for i, (kind, window) in
-                                 enumerate(sorted((_kind(w), w) for w in windows))}
+        self.cache_allocators = {_kind(w): _Group(i, _kind(w), w)
+                                 for i, w in enumerate(budget.windows)}
         self.max_batch_tokens = budget.max_batch_tokens
-        self.max_requests = budget.max_requests
         # the scheduler's bound on the tokens a forward's requests hold: never the binding one
-        self.max_tokens_read = self.max_requests * budget.longest
-        self.num_blocks = self.max_requests  # transformers' config records it; no float blocks
+        self.max_tokens_read = budget.rows * budget.longest
+        self.num_blocks = budget.rows  # transformers' config records it; no float blocks
         self.max_blocks_per_request = 0  # no flash block-table path
         self.max_decode_fast_path_length = 0
         self.read_cache_limit = None
         self.use_prefix_sharing = self.allow_block_sharing = False
         self.bytes_per_sector = 1
         self.pool = _NoSectors()
-        self.reserved: dict[str, float] = {}  # request id -> bytes held for it
+        self.reserved: dict[str, tuple[float, list[int]]] = {}  # id -> (bytes, pages per window)
+        self.pages_reserved = [0] * len(budget.windows)
         self.rows: dict[str, int] = {}  # request id -> its row in every layer
         self.order: list[str] = []  # row -> request id
         self.peak_nbytes = 0
@@ -134,29 +134,37 @@ class KVMixPagedCache(PagedAttentionCache):
 
     def can_store_request_tokens(self, state: Any, request_len: int,
                                  dry_run: bool = False) -> bool:
-        """A running request always fits (it reserved its longest footprint); a new one fits
-        when its whole prompt is in this forward and its footprint fits the budget."""
+        """A running request always fits (it reserved the pages of its longest length); a new
+        one fits when its whole prompt is in this forward, a row is free and its pages fit
+        beside every running request's."""
         if state.request_id in self.reserved:
             return True
-        need = self.budget.footprint(len(state.initial_tokens) + state.max_new_tokens)
+        tokens = len(state.initial_tokens) + state.max_new_tokens
+        need = self.budget.pages(tokens)
         fits = (not self._waiting_refused
                 and request_len == len(state.remaining_prefill_tokens)  # never split a prompt
-                and len(self.reserved) < self.max_requests
-                and sum(self.reserved.values()) + need <= self.budget.memory - self.budget.static)
+                and len(self.reserved) < self.budget.rows
+                and all(used + n <= cap for used, n, cap in zip(
+                    self.pages_reserved, need, self.budget.capacity, strict=True)))
         if fits and not dry_run:
-            self.reserved[state.request_id] = need
+            self.reserved[state.request_id] = self.budget.footprint(tokens), need
+            self.pages_reserved = [used + n for used, n in zip(self.pages_reserved, need,
+                                                                strict=True)]
         self._waiting_refused |= not fits
         return fits
 
     def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
         """A request ended (finished, failed or cancelled): its reservation and its row go; its
         pages return to every layer's pool."""
-        self.reserved.pop(request_id, None)
+        _, pages = self.reserved.pop(request_id, (0.0, [0] * len(self.pages_reserved)))
+        self.pages_reserved = [used - n for used, n in zip(self.pages_reserved, pages,
+                                                            strict=True)]
         row = self.rows.pop(request_id, None)
         if row is None:
             return
         for layer in self.layers:
-            layer.leave(row)
+            if row < layer.store.batch:  # a forward that failed may not have reached every layer
+                layer.leave(row)
         last = self.order.pop()
         if row < len(self.order):
             self.order[row] = last
@@ -166,6 +174,7 @@ class KVMixPagedCache(PagedAttentionCache):
         for layer in self.layers:
             layer.reset()
         self.reserved.clear()
+        self.pages_reserved = [0] * len(self.pages_reserved)
         self.rows.clear()
         self.order.clear()
 
@@ -174,8 +183,12 @@ class KVMixPagedCache(PagedAttentionCache):
 
     def compute_free_capacity(self, relative: bool = True) -> float:
         room = self.budget.memory - self.budget.static
-        free = room - sum(self.reserved.values())
+        free = room - self.reserved_bytes()
         return free / room if relative else free
+
+    def reserved_bytes(self) -> float:
+        """What the admitted requests will hold at their longest, by the planner's formula."""
+        return sum(nbytes for nbytes, _ in self.reserved.values())
 
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         return 0  # no prefix sharing: a shared prefix would share a selection made for another
@@ -252,7 +265,7 @@ class KVMixPagedCache(PagedAttentionCache):
                 "pages_free": sum(len(layer.pool.free) for layer in self.layers),
                 "cache_bytes": nbytes, "cache_peak_bytes": self.peak_nbytes,
                 "cache_held_bytes": nbytes - kinds.get(FREE, 0),
-                "reserved_bytes": sum(self.reserved.values()) + self.budget.static,
+                "reserved_bytes": self.reserved_bytes() + self.budget.static,
                 "budget_bytes": self.budget.memory}
 
 
@@ -287,6 +300,20 @@ def register() -> None:
     AttentionInterface.register(NAME, paged_attention)
 
 
+def served_architecture(model: Any, cache: KVMixCache) -> Architecture:
+    """The planner's view of the model, with the layer kinds and window its cache has."""
+    if len(cache.packed_layers) < len(cache.layers):
+        raise ValueError("kvmix serves models whose attention layers are all full or "
+                         "sliding-window ones; this one has layers of another kind")
+    windows = {layer.sliding_window for layer in cache.packed_layers} - {None}
+    if len(windows) > 1:
+        raise ValueError(f"the model's layers have sliding windows of {sorted(windows)} tokens; "
+                         "kvmix serve sizes its pools for one window")
+    kinds = tuple(SLIDING if layer.is_sliding else FULL for layer in cache.packed_layers)
+    return replace(model_architecture(model), layer_types=kinds,
+                   sliding_window=next(iter(windows), None))
+
+
 class KVMixScheduler(FIFOScheduler):
     """transformers' FIFO scheduler, telling the cache when a round starts."""
 
@@ -303,21 +330,22 @@ class KVMixManager(Measured, ContinuousBatchingManager):
 
     def __init__(self, model: Any, method: str | Method, memory: float | str,
                  backend: str = "auto", max_new_tokens: int = 128,
-                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS):
-        """memory: the KV cache budget, bytes or a size like ``"2GB"``."""
+                 max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, length: int | None = None):
+        """memory: the KV cache budget, bytes or a size like ``"2GB"``; length: the tokens
+        (prompt + new) of the request the cache's storage is split for (``Budget``; default
+        512 + max_new_tokens, within the model's positions)."""
         self.method = parse_method(method)
         memory = parse_memory(memory) if isinstance(memory, str) else float(memory)
         self.backend = backend
         model = prepare_model(model, self.method)
         cache = build_cache(model, self.method, backend)  # refuses what it must; binds the method
-        if len(cache.packed_layers) < len(cache.layers):
-            raise ValueError("kvmix serves models whose attention layers are all full or "
-                             "sliding-window ones; this one has layers of another kind")
-        self.budget = Budget(self.method, model_architecture(model), model.dtype, memory,
-                             max_batch_tokens)
+        arch = served_architecture(model, cache)
+        if length is None:
+            length = min(512 + max_new_tokens, arch.max_positions or 1 << 30)
+        self.budget = Budget(self.method, arch, model.dtype, memory, max_batch_tokens, length)
         self.stats = Stats()
         config = ContinuousBatchingConfig(
-            max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.max_requests,
+            max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.rows,
             max_blocks_per_request=0, allow_block_sharing=False, use_async_batching=False,
             use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False)
         super().__init__(model, greedy(model, max_new_tokens), config)
@@ -373,7 +401,9 @@ def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = 
     """Greedy continuous batching of ``prompts`` (token ids) with a kvmix cache of ``memory``
     bytes: requests join as their bytes fit and leave as they finish -> each prompt's new
     tokens, in order (each what ``generate`` gives that prompt alone with the method)."""
-    manager = KVMixManager(model, method, memory, backend, max_new_tokens, max_batch_tokens)
+    longest = max((len(p) for p in prompts), default=1) + max_new_tokens
+    manager = KVMixManager(model, method, memory, backend, max_new_tokens, max_batch_tokens,
+                           length=max(longest, 2))  # every request fits the split
     for prompt in prompts:
         why = manager.refusal(len(prompt), max_new_tokens)
         if why:
