@@ -38,6 +38,28 @@ def test_bundled_parameter_counts_match_the_published_ones(name):
     assert architecture(name).parameters == pytest.approx(PUBLISHED[name], rel=0.005)
 
 
+@pytest.mark.parametrize("overrides", [{"sliding_window": 24}, {"sliding_window": None},
+                                       {"layer_types": ["sliding_attention", "full_attention"],
+                                        "sliding_window": 24}])
+def test_layer_kinds_are_read_as_transformers_reads_them(overrides):
+    """A window without layer types (Mistral) makes every layer sliding, as transformers' own
+    caches have it; explicit layer types win."""
+    from transformers import MistralConfig
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    config = MistralConfig(num_hidden_layers=2, **overrides)
+    kinds, _ = get_layer_types_and_kwargs(config)
+    assert from_config(config.to_dict(), "m").layer_types == tuple(kinds)
+
+
+def test_a_window_turned_off_leaves_full_layers():
+    """Qwen2's config.json keeps a sliding_window beside use_sliding_window: false."""
+    arch = from_config({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                        "intermediate_size": 96, "vocab_size": 97, "sliding_window": 4096,
+                        "use_sliding_window": False}, "qwen2-like")
+    assert arch.layer_types == ("full_attention",) * 2
+
+
 def test_gemma3_sliding_layers_hold_their_window_not_the_context():
     """Gemma-3 keeps one global layer in six: beyond the window, only those ten layers grow."""
     arch = architecture("gemma-3-27b")
