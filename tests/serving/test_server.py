@@ -208,3 +208,28 @@ def test_a_bad_method_or_model_fails_before_the_port_opens(monkeypatch, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", port))  # never taken
+
+
+def test_the_load_generator_times_every_request_it_sends(served, client):
+    """kvmix loadtest's client against the loopback server: four streamed requests, two at a
+    time, each exactly its tokens; the summary is made of those timings."""
+    from kvmix.evaluation.loadtest import quantile, run_level, summary
+
+    manager, url = served
+    outcomes, wall, peaks = asyncio.run(run_level(url, PROMPTS[:4], 32, 2, TIMEOUT))
+    assert [o.error for o in outcomes] == [None] * 4 and {o.tokens for o in outcomes} == {32}
+    assert all(o.start < o.first < o.end and o.per_token > 0 for o in outcomes)
+    row = summary(outcomes, wall)
+    assert row["failures"] == 0 and row["output_tokens_per_s"] == pytest.approx(4 * 32 / wall)
+    assert row["ttft_p50_s"] == pytest.approx(quantile([o.ttft for o in outcomes], 0.5))
+    assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] < wall
+    assert peaks["kvmix_cache_budget_bytes"] == pytest.approx(manager.budget.memory, rel=1e-5)
+    assert quantile([4.0, 1.0, 3.0, 2.0], 0.5) == 2.5 and quantile([1.0], 0.99) == 1.0
+
+
+def test_loadtest_refuses_bad_levels_before_any_work(capsys):
+    for argv, message in ((["--concurrency", "1,8", "--requests", "1,2,3"], "one per"),
+                          (["--concurrency", "0"], "concurrency=[0]")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["loadtest", "--url", "http://127.0.0.1:9", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -8,6 +8,7 @@ in ``results.json`` and plots."""
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import os
 import socket
 import subprocess
@@ -84,7 +85,8 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
                 outcomes, wall, peaks = asyncio.run(run_level(url, texts[:count],
                                                               config.tokens, concurrency,
                                                               config.timeout))
-                rows.append({"method": method or config.url, "concurrency": concurrency,
+                rows.append({"method": method or config.url, "resolved": _resolved(method),
+                             "concurrency": concurrency,
                              **summary(outcomes, wall),
                              "peak_running": peaks.get("kvmix_requests_running"),
                              "peak_cache_mb": peaks.get("kvmix_cache_peak_bytes", 0) / 1e6,
@@ -99,6 +101,18 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
     return rows
 
 
+def _resolved(method: str | None) -> str | None:
+    """The method with every parameter, as the server runs it."""
+    from kvmix.commands.serve import ANCHOR
+    from kvmix.methods import parse_method
+
+    if method is None:
+        return None
+    if method == ANCHOR:
+        return "transformers' ContinuousBatchingManager and PagedAttentionCache (SDPA, page 256)"
+    return repr(parse_method(method))
+
+
 def _counts(config: LoadtestConfig) -> list[int]:
     counts = config.requests * len(config.concurrency) if len(config.requests) == 1 \
         else config.requests
@@ -110,6 +124,13 @@ def _counts(config: LoadtestConfig) -> list[int]:
         if any(not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"{name}={values} is invalid; expected integers >= 1")
     return counts
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 class _server:
@@ -163,5 +184,7 @@ def _write(config: LoadtestConfig, rows: list[dict]) -> None:
         plots.append(str(scatter_lines(out / name, series, "concurrent clients", label,
                                        f"{config.model} · {config.memory} KV · "
                                        f"{config.prompt} + {config.tokens} tokens")))
-    path = write_results(out, "loadtest", config, rows, plots=plots)
+    path = write_results(out, "loadtest", config, rows, plots=plots,
+                         client={name: _version(name) for name in ("httpx", "fastapi", "uvicorn",
+                                                                    "openai")})
     console.print(f"wrote {path}")
