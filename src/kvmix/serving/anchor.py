@@ -4,13 +4,13 @@ against. Both managers record the same step figures (``Measured``)."""
 
 from __future__ import annotations
 
-from time import perf_counter
 from typing import Any
 
 from transformers import GenerationConfig
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
 
+from kvmix.serving.budget import size_refusal
 from kvmix.serving.stats import Stats
 
 PAGE = 256  # transformers' default page of tokens
@@ -22,9 +22,8 @@ class Measured:
     stats: Stats
 
     def _generation_step(self) -> None:
-        start = perf_counter()
         super()._generation_step()
-        self.stats.record(self.batch_processor, perf_counter() - start)
+        self.stats.record(self.batch_processor)
 
     def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
         go_on = super()._generation_loop_body(batch_processor, bootstrapping)
@@ -64,13 +63,9 @@ class TransformersManager(Measured, ContinuousBatchingManager):
             use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False))
 
     def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
-        if new_tokens is None or new_tokens < 1:
-            return f"max_tokens={new_tokens} is invalid; expected an integer >= 1"
-        if prompt < 1:
-            return "the prompt is empty; expected at least 1 token"
-        if self.positions is not None and prompt + new_tokens > self.positions:
-            return (f"the prompt ({prompt} tokens) plus max_tokens={new_tokens} exceeds the "
-                    f"model's {self.positions} positions")
+        why = size_refusal(prompt, new_tokens, self.positions)
+        if why:
+            return why
         pages = -(-(prompt + new_tokens) // PAGE)
         if pages > self.blocks:
             return (f"the request needs {pages} pages of {PAGE} tokens, beyond the cache's "

@@ -109,14 +109,9 @@ class Budget:
     def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
         """Why a request of ``prompt`` tokens asking for ``new_tokens`` can never be served, or
         None."""
-        if new_tokens is None or new_tokens < 1:
-            return f"max_tokens={new_tokens} is invalid; expected an integer >= 1"
-        if prompt < 1:
-            return "the prompt is empty; expected at least 1 token"
-        limit = self.arch.max_positions
-        if limit is not None and prompt + new_tokens > limit:
-            return (f"the prompt ({prompt} tokens) plus max_tokens={new_tokens} exceeds the "
-                    f"model's {limit} positions")
+        why = size_refusal(prompt, new_tokens, self.arch.max_positions)
+        if why:
+            return why
         if prompt > self.max_batch_tokens:
             return (f"the prompt ({prompt} tokens) exceeds max_batch_tokens="
                     f"{self.max_batch_tokens}, the tokens of one forward (a prompt is never "
@@ -127,6 +122,19 @@ class Budget:
                     f"{self.memory / 1e6:.2f} MB (split for {self.rows} requests of "
                     f"{self.span} tokens: at most {self.longest} tokens for one)")
         return None
+
+
+def size_refusal(prompt: int, new_tokens: int | None, positions: int | None) -> str | None:
+    """Why a request's sizes are never servable on any cache: no new tokens, an empty prompt,
+    or more tokens than the model's ``positions``; None when they are."""
+    if new_tokens is None or new_tokens < 1:
+        return f"max_tokens={new_tokens} is invalid; expected an integer >= 1"
+    if prompt < 1:
+        return "the prompt is empty; expected at least 1 token"
+    if positions is not None and prompt + new_tokens > positions:
+        return (f"the prompt ({prompt} tokens) plus max_tokens={new_tokens} exceeds the "
+                f"model's {positions} positions")
+    return None
 
 
 def _last(low: int, high: int, holds) -> int:

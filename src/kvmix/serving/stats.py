@@ -20,8 +20,8 @@ class Stats:
         self.values: dict[str, float] = {"running": 0, "waiting": 0, "steps": 0,
                                          "output_tokens": 0, "ttft_sum": 0.0, "ttft_count": 0}
 
-    def record(self, processor: Any, seconds: float) -> None:
-        """One forward of ``processor`` (a ContinuousBatchProcessor) just ran in ``seconds``."""
+    def record(self, processor: Any) -> None:
+        """One forward of ``processor`` (a ContinuousBatchProcessor) just ran."""
         now = perf_counter()
         states = [f.state for f in processor.inputs_and_outputs.requests_in_batch
                   if f.has_new_token]
@@ -35,7 +35,6 @@ class Stats:
             v["output_tokens"] += len(states)
             v["ttft_sum"] += sum(firsts)
             v["ttft_count"] += len(firsts)
-            v["last_step_seconds"] = seconds
 
     def refresh(self, processor: Any) -> None:
         """The gauges after a turn of the loop: requests running and waiting, the cache."""
