@@ -242,3 +242,61 @@ def compare_batched(name: str, backend: str, steps: int, device="cpu",
         assert a.lengths == b.lengths and a.seen == b.seen and (a.lengths or window)
         pairs = zip(tagged_tensors(a.blocks, ""), tagged_tensors(b.blocks, ""), strict=True)
         assert all(torch.equal(x, y) for (_, x), (_, y) in pairs)
+
+
+# ---- production shapes: an 8B-like layer (32 query heads over 8 KV heads of dimension 128) ----
+
+PROD_HQ, PROD_H, PROD_D = 32, 8, 128
+PRODUCTION_METHODS = [
+    "kivi2",                                               # 2-bit keys in groups of 32
+    "kxvy:key_bits=1,value_bits=8,group=64,value_group=64",
+    "kxvy:key_bits=3,value_bits=3,group=128,value_group=128",
+    "kxvy:key_bits=4,value_bits=1,group=64,value_group=16",
+    "kxvy:key_bits=8,value_bits=4,group=32,value_group=32",
+    "pnmix1", "kitty", "chanmix",                          # mixed-precision planes
+]
+
+
+def production_cache(method: str, backend: str) -> KVMixCache:
+    from kvmix.models.loading import attention_config
+
+    pairs = torch.stack([torch.arange(PROD_D // 2), torch.arange(PROD_D // 2, PROD_D)], 1)
+    return KVMixCache(parse_method(method), attention_config(PROD_HQ, PROD_H, PROD_D), pairs,
+                      backend=backend)
+
+
+def production_tokens(batch: int, count: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Keys with outlier channels (as real keys have), values, queries: [batch, heads, count, D]."""
+    g = torch.Generator().manual_seed(seed)
+    outliers = 1 + 9 * (torch.rand(PROD_D, generator=g) > 0.9)
+    keys = torch.randn(batch, PROD_H, count, PROD_D, generator=g) * outliers + 0.5
+    values = torch.randn(batch, PROD_H, count, PROD_D, generator=g)
+    return keys, values, torch.randn(batch, PROD_HQ, count, PROD_D, generator=g)
+
+
+def production_step(cache: KVMixCache, staged, mask=None) -> torch.Tensor:
+    keys, values, queries = staged
+    cache.update(keys, values, 0)
+    layer = take_pending()
+    return layer.attend(cache.method.transform_queries(queries, 0), mask, PROD_D**-0.5)
+
+
+def compare_production(method: str, backend: str, tolerance: float,
+                       lengths: tuple[int, ...] = (300, 40, 170), steps: int | None = None) -> None:
+    """A left-padded batch at production shapes (rows of ``lengths`` tokens: blocks, sink and
+    residual, a row with no block yet), ``steps`` decode steps (by default across a block
+    boundary), a crop inside a block and reordered beams halfway: each step's output from
+    ``backend`` within ``tolerance`` of the reference path's."""
+    fast, exact = production_cache(method, backend), production_cache(method, "torch")
+    prompt = production_tokens(len(lengths), max(lengths), 0)
+    for cache in (fast, exact):
+        production_step(cache, prompt, left_padded(list(lengths)))
+    steps = steps or fast.method.group + 2
+    for i in range(steps):
+        staged = production_tokens(len(lengths), 1, 100 + i)
+        assert_near(production_step(fast, staged), production_step(exact, staged), tolerance)
+        if i == steps // 2:
+            for cache in (fast, exact):
+                cache.crop(-5)
+                cache.reorder_cache(torch.tensor([0, 0, len(lengths) - 1]))
+    assert fast.layers[0].rows[0].lengths  # packed blocks were read

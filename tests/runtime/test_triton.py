@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import FAST, compare_batched, compare_rows, make
+from helpers import (
+    FAST,
+    PRODUCTION_METHODS,
+    compare_batched,
+    compare_production,
+    compare_rows,
+    make,
+)
 
 from kvmix.runtime.kernels import gpu, interpreting, resolve
 
@@ -32,6 +39,46 @@ def test_the_kernels_match_the_reference_through_a_generation(name):
     cache.reorder_cache(torch.tensor([1, 0], device=DEVICE))
     check(cache, 2, seed=41, batch=2)
     assert len(cache.layers[0].rows[0].lengths) >= 2
+
+
+@pytest.mark.parametrize("method", [PRODUCTION_METHODS[i] for i in (0, 2, 3, 5, 7)])
+def test_production_shapes_match_the_reference(method):
+    """32:8 heads of 128, groups of 32-128: rows load as words where they are whole words
+    (``_word_rows``), byte by byte elsewhere (the 1-bit values in groups of 16). Block
+    boundaries are crossed in the small-shape tests; here a few steps (the interpreter)."""
+    compare_production(method, "triton", TOLERANCE, steps=4)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("row", [16, 32, 64, 128])
+def test_word_loads_give_the_packed_codes(bits, row):
+    """Rows that are whole 32-bit words decode by word loads to the codes ``pack`` wrote;
+    others are refused the word path (they load byte by byte)."""
+    from kvmix.core.packing import pack, row_bytes
+
+    count = 16
+    codes = torch.randint(0, 2**bits, (count, row), generator=torch.Generator().manual_seed(bits))
+    packed = pack(codes, bits).reshape(-1).to(DEVICE)  # rows back to back
+    words = gpu._words(packed[None], row, bits)
+    parts = [row_bytes(row, 2), row_bytes(row, 1)] if bits == 3 else [row_bytes(row, bits)]
+    assert words == all(p % 4 == 0 for p in parts)
+    if not words:
+        return
+    out = torch.empty(count, row, device=DEVICE)
+    _decode_rows[(1,)](packed, out, row_bytes(row, bits), row_bytes(row, 2), count, row, bits)
+    assert torch.equal(out.cpu().long(), codes)
+
+
+if gpu.triton is not None:
+    tl = gpu.tl
+
+    @gpu.triton.jit
+    def _decode_rows(packed, out, width, low_width, A: tl.constexpr, N: tl.constexpr,
+                     BITS: tl.constexpr):
+        a = tl.arange(0, A)
+        n = tl.arange(0, N)
+        x = gpu._word_rows(packed + a * width, a < A, low_width, A, N, BITS)
+        tl.store(out + a[:, None] * N + n[None, :], x)
 
 
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1", "chanmix", "wush", "full"])

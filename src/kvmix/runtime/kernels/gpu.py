@@ -1,28 +1,27 @@
 """Triton decode attention over packed K/V (``backend="triton"``): scores straight from the
-codes, split across programs, merged by log-sum-exp. Mirrors
+codes, online softmax and p·V in one pass per split, splits merged by log-sum-exp. Mirrors
 ``kvmix.runtime.kernels.reference.attend`` and is tested against it on CPU with
 ``TRITON_INTERPRET=1``.
 
-One layer step of one sequence, for the few new queries of a decode step:
+A decode step of the whole batch (``attend_batch``) and the few new queries of one sequence
+(``attend``) take the same page kernels:
 
-1. scores of the packed blocks into ``S`` [H, R, n·G] (R = query heads per KV head × queries,
-   pre-scaled by ``scaling``): per-channel keys start from the per-block bias
-   Σ_c q_c·(min_c + scale_c·offset_c) and each plane adds Σ_c q_c·scale_c·mult_c·code_c
-   (``_plane_scores``, a program per block and KV head); per-token keys (WUSH, rotate) are
-   dequantized tile by tile (``_token_scores``);
-2. ``_value_splits``: a program per KV head and split of the blocks, online softmax over its
-   blocks' scores (masked past each block's held length) and p·V from the value codes, giving a
-   partial output with its running max and sum;
-3. the float segments (sink, residual, float blocks, the new tokens themselves, causally) in
-   torch as one more partial — they are at most ``sink + residual + q`` tokens;
-4. ``_merge``: the partials merged by log-sum-exp.
+1. a program per (sequence, KV head) and split of the sequence's pages, read through a block
+   table; its query rows (query heads per KV head × new queries, pre-scaled by ``scaling``) are
+   the ``tl.dot`` M dimension. Per page: scores from the codes (per-channel keys: the bias
+   Σ_c q_c·(min_c + scale_c·offset_c) plus each plane's Σ_c q_c·scale_c·mult_c·code_c; per-token
+   keys: dequantized tiles), masked past the page's held tokens and before a sliding window's
+   edge, folded into a running (max, sum, acc) with p·V from the value codes. No score buffer:
+   each program writes one partial (acc, max, sum);
+2. the float segments (sink, residual, the new tokens, causally) in torch as one more partial;
+3. ``_merge``: the partials merged by log-sum-exp.
 
-The float K/V history is never built: ``S`` holds one float per token and query row.
+Codes load as 32-bit words where a row is whole, aligned words (the common groups: 32 or more
+tokens at 1 bit, 16 or more at 2, 4 and 8): one load per word, codes by shift and mask in
+registers; other rows load byte by byte. The float K/V history is never built.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -44,6 +43,7 @@ MAX_QUERIES = 16
 KERNEL_BITS = (1, 2, 3, 4, 8)
 PROGRAMS = 1024  # programs (sequences × KV heads × splits) to aim for: several per SM
 MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
+STAGES = 2  # software pipelining of the page loop: the next page's codes load during this one
 
 
 def available() -> tuple[bool, str]:
@@ -63,23 +63,27 @@ def check_view(view: KernelView | None, head_dim: int) -> None:
                              f"{', '.join(map(str, KERNEL_BITS))}")
     if head_dim > 256:
         raise ValueError(f"head_dim={head_dim} is too large for the Triton kernels (<= 256)")
+    if isinstance(view.keys, ChannelKeys) and len(view.keys.planes) > MAX_PLANES:
+        raise ValueError(f"{len(view.keys.planes)} key planes; the Triton kernels read at most "
+                         f"{MAX_PLANES}")
 
 
 def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
            values: torch.Tensor, scaling: float) -> torch.Tensor:
     """query [1, Hq, q, D] of the new tokens, keys, values [1, H, q, D] over everything ``row``
-    holds (its blocks read through ``view``) and themselves, causally -> [1, Hq, q, D]."""
+    holds (its blocks read through ``view``, every block visible) and themselves, causally
+    -> [1, Hq, q, D]."""
     heads, queries, dim = keys.shape[1], query.shape[2], query.shape[3]
     rep = query.shape[1] // heads
-    grouped = (query[0].float() * scaling).reshape(heads, rep * queries, dim).contiguous()
+    grouped = (query[0].float() * scaling).reshape(1, heads, rep * queries, dim).contiguous()
     floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values)] if len(row) else []
-    partials = [_float_partial(grouped, floats, keys, values, rep, queries)]
+    partials = [_float_partial(grouped[0], floats, keys, values, rep, queries)]
     if view is not None:
         check_view(view, dim)
-        precision = "ieee" if query.dtype == torch.float32 else "tf32"
-        partials.insert(0, _packed_partials(grouped, view, row.lengths, row.method.group,
-                                            precision))
-    out = _merged(partials)  # [H, R, D]
+        pool, table = _row_pages(view, row.lengths, grouped.device)
+        partials.insert(0, _page_partials(pool, table, None, grouped, row.method.group,
+                                          _precision(query)))
+    out = _merged_rows(partials)  # [H·R, D]
     return out.reshape(heads * rep, queries, dim)[None].to(query.dtype)
 
 
@@ -89,8 +93,7 @@ def batched(store: BatchStore) -> bool:
     if pool is None or pool.view is None:
         return pool is not None
     check_view(pool.view, store.keys.shape[-1])
-    planes = pool.view.keys.planes if isinstance(pool.view.keys, ChannelKeys) else []
-    return len(planes) <= MAX_PLANES
+    return True
 
 
 def prepare(store: BatchStore) -> None:
@@ -107,10 +110,26 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
     grouped = (query[:, :, 0].float() * scaling).reshape(rows, heads, -1, dim).contiguous()
     partials = [_slot_partial(store, grouped)]
     if any(store.pages):
-        precision = "ieee" if query.dtype == torch.float32 else "tf32"
-        partials.insert(0, _page_partials(store, batch.pool_view(store), grouped, precision))
+        partials.insert(0, _page_partials(batch.pool_view(store), batch.table(store),
+                                          batch.skips(store), grouped, store.method.group,
+                                          _precision(query)))
     out = _merged_rows(partials)  # [B·H·R, D]
     return out.reshape(rows, query.shape[1], 1, dim).to(query.dtype)
+
+
+def _row_pages(view: KernelView, lengths: list[int],
+               device: torch.device) -> tuple[batch.PoolView, batch.Table]:
+    """One sequence's blocks as a pool of pages 0..n-1 and its block table."""
+    blocks = len(lengths)
+    table = batch.Table(torch.arange(blocks, device=device)[None],
+                        torch.tensor([lengths], dtype=torch.long, device=device),
+                        torch.tensor([blocks], dtype=torch.long, device=device), blocks)
+    if not isinstance(view.keys, ChannelKeys):
+        return batch.PoolView(view, [], [], None), table
+    planes = view.keys.planes
+    return batch.PoolView(view, [p.index[None] for p in planes],
+                          [p.mult[None].float() for p in planes],
+                          view.keys.offset[None].float().contiguous()), table
 
 
 def _slot_partial(store: BatchStore, grouped: torch.Tensor):
@@ -127,24 +146,23 @@ def _slot_partial(store: BatchStore, grouped: torch.Tensor):
     return (weights @ store.values.float())[None], top[None], weights.sum(-1)[None]
 
 
-def _page_partials(store: BatchStore, pool: batch.PoolView, grouped: torch.Tensor,
-                   precision: str):
-    """Every sequence's pages through ``_decode_pages``: (acc [S, B, H, R, D], max, sum)."""
+def _page_partials(pool: batch.PoolView, table: batch.Table, skip: torch.Tensor | None,
+                   grouped: torch.Tensor, group: int, precision: str):
+    """grouped [B, H, R, D] over every sequence's pages (``table``; ``skip``: tokens a sliding
+    window hides at the front of each first page) -> (acc [S, B, H, R, D], max, sum)."""
     rows, heads, reps, dim = grouped.shape
-    table = batch.table(store)
-    most = max(len(p) for p in store.pages)
-    splits = max(1, min(most, -(-PROGRAMS // (rows * heads))))
-    per_split = -(-most // splits)
-    splits = -(-most // per_split)
+    splits = max(1, min(table.width, -(-PROGRAMS // (rows * heads))))
+    per_split = -(-table.width // splits)
+    splits = -(-table.width // per_split)
     acc = torch.empty(splits, rows, heads, reps, dim, device=grouped.device)
     top = torch.empty(splits, rows, heads, reps, device=grouped.device)
     total = torch.empty_like(top)
-    view, group = pool.view, store.method.group
+    view = pool.view
     common = (*_source(view.values, dim), acc, top, total, heads, reps, dim, per_split)
     sizes = {"G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
-             "BLOCK_D": _pow2(dim), "PRECISION": precision}
+             "BLOCK_D": _pow2(dim), "PRECISION": precision, "num_warps": _warps(dim),
+             "num_stages": STAGES}
     grid = (rows * heads, splits)
-    skip = batch.skips(store)
     skip = torch.zeros_like(table.counts) if skip is None else skip
     table_args = (grouped, table.pages, table.held, table.counts, skip, table.width)
     if isinstance(view.keys, ChannelKeys):
@@ -156,15 +174,17 @@ def _page_partials(store: BatchStore, pool: batch.PoolView, grouped: torch.Tenso
 
 
 def _plane_arguments(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tuple:
-    """Per-channel keys for ``_decode_pages``: scale, minimum, each sequence's offsets, then
-    MAX_PLANES planes (codes, channels, multipliers, sizes; unused ones repeat the first)."""
+    """Per-channel keys for the page kernels: scale, minimum, each sequence's offsets, then
+    MAX_PLANES planes (codes, channels, multipliers, sizes, word loads; unused ones repeat the
+    first)."""
     planes = []
     for i in range(MAX_PLANES):
         plane, index, mult = (keys.planes[i], pool.index[i], pool.mult[i]) if i < len(
             keys.planes) else (keys.planes[0], pool.index[0], pool.mult[0])
         planes += [plane.codes, index.contiguous(), mult.contiguous(), index.shape[-1],
                    plane.codes.stride(0), row_bytes(group, plane.bits),
-                   _subplane(group, plane.bits), plane.bits, _pow2(index.shape[-1])]
+                   _subplane(group, plane.bits), plane.bits, _pow2(index.shape[-1]),
+                   _words(plane.codes, group, plane.bits)]
     return (keys.scale.contiguous(), keys.minimum.contiguous(), pool.offset, *planes)
 
 
@@ -181,7 +201,7 @@ def _merged_rows(partials) -> torch.Tensor:
 
 
 def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
-    """The float segments and the new tokens: (acc [H, R, D], max [H, R], sum [H, R])."""
+    """The float segments and the new tokens: (acc [1, H, R, D], max [1, H, R], sum)."""
     segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
     k = torch.cat([s[0][0].float() for s in segments], dim=1)  # [H, T, D]
     v = torch.cat([s[1][0].float() for s in segments], dim=1)
@@ -193,83 +213,40 @@ def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
         scores = scores.masked_fill(~visible.repeat(rep, 1)[None], float("-inf"))
     top = scores.amax(-1)
     weights = torch.exp(scores - top[..., None])
-    return weights @ v, top, weights.sum(-1)
-
-
-def _packed_partials(grouped: torch.Tensor, view: KernelView, lengths: list[int], group: int,
-                     precision: str):
-    """The blocks through the kernels: (acc [S, H, R, D], max [S, H, R], sum). Float blocks
-    (the ``full`` method) take the same kernels: the float16 variant of the packed one."""
-    heads, rows, dim = grouped.shape
-    blocks = len(lengths)
-    scores = torch.empty(heads, rows, blocks * group, device=grouped.device)
-    if isinstance(view.keys, ChannelKeys):
-        _channel_scores(grouped, view.keys, scores, group, precision)
-    else:
-        _token_scores_launch(grouped, view.keys, scores, group, precision)
-    splits = max(1, min(blocks, PROGRAMS // heads))
-    per_split = math.ceil(blocks / splits)
-    splits = math.ceil(blocks / per_split)
-    acc = torch.empty(splits, heads, rows, dim, device=grouped.device)
-    top = torch.empty(splits, heads, rows, device=grouped.device)
-    total = torch.empty_like(top)
-    held = torch.tensor(lengths, dtype=torch.int32, device=grouped.device)
-    _value_splits[(heads, splits)](
-        scores, *_source(view.values, dim), held, acc, top, total, blocks, per_split, splits,
-        heads, rows, dim, G=group, BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group),
-        BLOCK_D=_pow2(dim), PRECISION=precision)
-    return acc, top, total
-
-
-def _channel_scores(grouped, keys: ChannelKeys, scores, group: int, precision: str) -> None:
-    """Per-channel keys: the bias, then each plane's codes."""
-    heads, rows, _ = grouped.shape
-    blocks = keys.scale.shape[0]
-    shift = keys.minimum.float() + keys.scale.float() * keys.offset  # [n, H, D]
-    bias = torch.einsum("hrd,nhd->hrn", grouped, shift)
-    scores.copy_(bias.repeat_interleave(group, dim=-1))
-    for plane in keys.planes:
-        channels = plane.index.shape[1]
-        _plane_scores[(blocks, heads)](
-            grouped, plane.codes, plane.index, plane.mult, keys.scale.contiguous(), scores, heads,
-            rows, grouped.shape[2], channels, plane.codes.stride(0), row_bytes(group, plane.bits),
-            _subplane(group, plane.bits), G=group, BITS=plane.bits, BLOCK_R=_pow2(rows),
-            BLOCK_C=_pow2(channels), BLOCK_G=_pow2(group), PRECISION=precision)
-
-
-def _token_scores_launch(grouped, keys: TokenGroups | torch.Tensor, scores, group: int,
-                         precision: str) -> None:
-    heads, rows, dim = grouped.shape
-    blocks = keys.shape[0] if isinstance(keys, torch.Tensor) else keys.codes.shape[0]
-    _token_scores[(blocks, heads)](
-        grouped, *_source(keys, dim), scores, heads, rows, dim, G=group,
-        BLOCK_R=_pow2(rows), BLOCK_G=_pow2(group), BLOCK_D=_pow2(dim), PRECISION=precision)
+    return (weights @ v)[None], top[None], weights.sum(-1)[None]
 
 
 def _source(groups: TokenGroups | torch.Tensor, dim: int) -> tuple:
     """A per-token tile source as the kernels take it: codes, scale, minimum, block bytes,
-    row width, 3-bit split, then GROUP, BITS, SYMMETRIC. Float blocks [n, H, G, D] are
+    row width, 3-bit split, then GROUP, BITS, SYMMETRIC, WORDS. Float blocks [n, H, G, D] are
     BITS=16 (their own ``codes``; statistics unread)."""
     if isinstance(groups, torch.Tensor):
         blocks = groups.contiguous()
-        return blocks, blocks, blocks, 0, 0, 0, dim, 16, False
+        return blocks, blocks, blocks, 0, 0, 0, dim, 16, False, False
+    words = _words(groups.codes, groups.group, groups.bits) and dim == _pow2(dim) >= groups.group
     return (groups.codes, *_stats(groups), groups.codes.stride(0),
             row_bytes(groups.group, groups.bits), _subplane(groups.group, groups.bits),
-            groups.group, groups.bits, groups.minimum is None)
+            groups.group, groups.bits, groups.minimum is None, words)
 
 
-def _merged(partials) -> torch.Tensor:
-    """Partials (acc [..., H, R, D], max, sum), the first possibly stacked by split -> [H, R, D]
-    through the merge kernel."""
-    acc = torch.cat([a.reshape(-1, *a.shape[-3:]) for a, _, _ in partials])  # [S, H, R, D]
-    top = torch.cat([m.reshape(-1, *m.shape[-2:]) for _, m, _ in partials])  # [S, H, R]
-    total = torch.cat([s.reshape(-1, *s.shape[-2:]) for _, _, s in partials])
-    splits, heads, rows, dim = acc.shape
-    out = torch.empty(heads, rows, dim, device=acc.device)
-    _merge[(heads * rows,)](acc.contiguous(), top.contiguous(), total.contiguous(), out,
-                            splits, heads * rows, dim, BLOCK_S=_pow2(splits),
-                            BLOCK_D=_pow2(dim))
-    return out
+def _words(codes: torch.Tensor, row: int, bits: int) -> bool:
+    """Whether rows of ``row`` codes at ``bits`` load as 32-bit words: a power-of-two row of at
+    least 16 codes whose parts (3 bits: the 2-bit and the 1-bit part) are whole words, at 4-byte
+    aligned addresses in every block."""
+    parts = (row_bytes(row, 2), row_bytes(row, 1)) if bits == 3 else (row_bytes(row, bits),)
+    return (row == _pow2(row) and all(p % 4 == 0 for p in parts)
+            and codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0)
+
+
+def _precision(query: torch.Tensor) -> str:
+    """``tl.dot``'s input precision: IEEE for float32 queries, TF32 otherwise."""
+    return "ieee" if query.dtype == torch.float32 else "tf32"
+
+
+def _warps(dim: int) -> int:
+    """Warps per program: 4 up to head dim 128 (a [R, D] accumulator of 16 × 128 floats over
+    128 threads), 8 beyond."""
+    return 4 if dim <= 128 else 8
 
 
 def _subplane(row: int, bits: int) -> int:
@@ -291,9 +268,9 @@ if triton is not None:
 
     @triton.jit
     def _codes(row_start, position, mask, width, low_width, BITS: tl.constexpr):
-        """Codes at ``position`` of packed rows starting at ``row_start`` (row-split order:
-        byte w holds codes w, w + W, ...; a 3-bit row is its 2-bit part, then its 1-bit
-        part)."""
+        """Codes at ``position`` of packed rows starting at ``row_start``, a byte per element
+        (row-split order: byte w holds codes w, w + W, ...; a 3-bit row is its 2-bit part,
+        then its 1-bit part)."""
         if BITS == 3:
             high_width = width - low_width
             low = tl.load(row_start + position % low_width, mask=mask, other=0)
@@ -307,11 +284,42 @@ if triton is not None:
             return ((byte >> shift) & ((1 << BITS) - 1)).to(tl.float32)
 
     @triton.jit
+    def _word_part(start, mask, A: tl.constexpr, N: tl.constexpr, BITS: tl.constexpr):
+        """Codes [A, N] of A rows of N codes at 1, 2, 4 or 8 bits, ``start`` [A] their first
+        bytes (4-byte aligned): each row's W = N·BITS/8 bytes load as W/4 words, and code
+        s·W + 4w + k is byte k of word w shifted by s·BITS (int32 shifts: the sign bits an
+        arithmetic shift brings in lie above the mask)."""
+        COUNT: tl.constexpr = N * BITS // 32
+        w = tl.arange(0, COUNT)
+        words = tl.load(start.to(tl.pointer_type(tl.int32))[:, None] + w[None, :],
+                        mask=mask[:, None], other=0)  # [A, W/4]
+        s = tl.arange(0, 8 // BITS)
+        k = tl.arange(0, 4)
+        shift = s[:, None, None] * BITS + 8 * k[None, None, :]  # [8/BITS, 1, 4]
+        x = (words[:, None, :, None] >> shift[None]) & ((1 << BITS) - 1)
+        return tl.reshape(x, [A, N])
+
+    @triton.jit
+    def _word_rows(start, mask, low_width, A: tl.constexpr, N: tl.constexpr,
+                   BITS: tl.constexpr):
+        """Codes [A, N] float32 of A packed rows by word loads (3 bits: the 2-bit part, then the
+        1-bit part ``low_width`` bytes on)."""
+        if BITS == 3:
+            low = _word_part(start, mask, A, N, 2)
+            high = _word_part(start + low_width, mask, A, N, 1)
+            x = low | (high << 2)
+        else:
+            x = _word_part(start, mask, A, N, BITS)
+        return x.to(tl.float32)
+
+    @triton.jit
     def _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
                     low_width, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                    SYMMETRIC: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+                    SYMMETRIC: tl.constexpr, WORDS: tl.constexpr, BLOCK_G: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
         """Dequantized per-token groups of one block and head: [BLOCK_G, BLOCK_D] float32;
-        BITS=16: a tile of float blocks [n, H, G, D]."""
+        BITS=16: a tile of float blocks [n, H, G, D]. WORDS: rows by word loads (then
+        dim == BLOCK_D)."""
         t = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (t < G) & (d < dim)
@@ -321,8 +329,17 @@ if triton is not None:
         else:
             groups = dim // GROUP
             row = (head * G + t) * groups + d // GROUP  # codes [H, G, D/group, group] per block
-            x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
-                       low_width, BITS)
+            if WORDS:  # the rows (token t, group j) [BLOCK_G·J], each GROUP codes wide
+                J: tl.constexpr = BLOCK_D // GROUP
+                j = tl.arange(0, J)[None, :]
+                start = codes + block * block_bytes + ((head * G + t) * J + j) * width
+                x = tl.reshape(_word_rows(tl.reshape(start, [BLOCK_G * J]),
+                                          tl.reshape((t < G) & (j < J), [BLOCK_G * J]),
+                                          low_width, BLOCK_G * J, GROUP, BITS),
+                               [BLOCK_G, BLOCK_D])
+            else:
+                x = _codes(codes + block * block_bytes + row * width, d % GROUP, mask, width,
+                           low_width, BITS)
             stat = block * heads * G * groups + row
             step = tl.load(scale + stat, mask=mask, other=0).to(tl.float32)
             if SYMMETRIC:
@@ -332,91 +349,10 @@ if triton is not None:
         return tile
 
     @triton.jit
-    def _plane_scores(query, codes, index, mult, scale, scores, heads, rows, dim, channels,
-                      block_bytes, width, low_width, G: tl.constexpr, BITS: tl.constexpr,
-                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr,
-                      PRECISION: tl.constexpr):
-        """scores[h, r, block·G + t] += Σ_c q[h, r, idx_c]·scale[block, h, idx_c]·mult_c·code"""
-        block, head = tl.program_id(0), tl.program_id(1)
-        c = tl.arange(0, BLOCK_C)
-        t = tl.arange(0, BLOCK_G)
-        r = tl.arange(0, BLOCK_R)
-        has_c, has_t, has_r = c < channels, t < G, r < rows
-        channel = tl.load(index + head * channels + c, mask=has_c, other=0)
-        weight = tl.load(mult + head * channels + c, mask=has_c, other=0.0)
-        weight *= tl.load(scale + (block * heads + head) * dim + channel, mask=has_c,
-                          other=0).to(tl.float32)
-        q = tl.load(query + (head * rows + r[:, None]) * dim + channel[None, :],
-                    mask=has_r[:, None] & has_c[None, :], other=0.0)  # [R, C]
-        mask = has_c[:, None] & has_t[None, :]
-        x = _codes(codes + block * block_bytes + (head * channels + c[:, None]) * width,
-                   t[None, :], mask, width, low_width, BITS)  # [C, G]
-        part = tl.dot(q * weight[None, :], x, input_precision=PRECISION)  # [R, G]
-        where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
-            + t[None, :]
-        keep = has_r[:, None] & has_t[None, :]
-        tl.store(where, tl.load(where, mask=keep, other=0.0) + part, mask=keep)
-
-    @triton.jit
-    def _token_scores(query, codes, scale, minimum, block_bytes, width, low_width,
-                      GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, scores,
-                      heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-        """scores[h, r, block·G + t] = q[h, r]·k̂[block, h, t] from per-token key groups."""
-        block, head = tl.program_id(0), tl.program_id(1)
-        r = tl.arange(0, BLOCK_R)
-        d = tl.arange(0, BLOCK_D)
-        t = tl.arange(0, BLOCK_G)
-        q = tl.load(query + (head * rows + r[:, None]) * dim + d[None, :],
-                    mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)  # [R, D]
-        k = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
-                        low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
-        part = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
-        where = scores + (head * rows + r[:, None]) * (tl.num_programs(0) * G) + block * G \
-            + t[None, :]
-        tl.store(where, part, mask=(r[:, None] < rows) & (t[None, :] < G))
-
-    @triton.jit
-    def _value_splits(scores, codes, scale, minimum, block_bytes, width, low_width,
-                      GROUP: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr, held,
-                      acc, top, total, blocks, per_split, splits, heads, rows, dim,
-                      G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                      BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-        """Online softmax over one split of the blocks and p·V from the value codes."""
-        head, split = tl.program_id(0), tl.program_id(1)
-        r = tl.arange(0, BLOCK_R)
-        t = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        has_r = r < rows
-        running = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        mass = tl.zeros([BLOCK_R], tl.float32)
-        out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        first = split * per_split
-        for block in range(first, tl.minimum(first + per_split, blocks)):
-            length = tl.load(held + block)
-            seen = has_r[:, None] & (t[None, :] < length)
-            s = tl.load(scores + (head * rows + r[:, None]) * (blocks * G) + block * G
-                        + t[None, :], mask=seen, other=float("-inf"))  # [R, G]
-            peak = tl.maximum(running, tl.max(s, axis=1))
-            safe = tl.where(peak == float("-inf"), 0.0, peak)
-            p = tl.exp(s - safe[:, None])
-            decay = tl.exp(running - safe)
-            v = _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
-                            low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
-            out = out * decay[:, None] + tl.dot(p, v, input_precision=PRECISION)
-            mass = mass * decay + tl.sum(p, axis=1)
-            running = peak
-        where = (split * heads + head) * rows + r
-        tl.store(top + where, running, mask=has_r)
-        tl.store(total + where, mass, mask=has_r)
-        tl.store(acc + where[:, None] * dim + d[None, :], out,
-                 mask=has_r[:, None] & (d[None, :] < dim))
-
-    @triton.jit
     def _plane_part(query, rows, dim, scale, codes, index, mult, channels, block_bytes, width,
-                    low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr, seq, head, heads,
-                    page, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                    PRECISION: tl.constexpr):
+                    low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
+                    WORDS: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
+                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
         """One plane's share of a page's scores: Σ_c q[r, idx_c]·scale[idx_c]·mult_c·code_c[t]
         -> [BLOCK_R, BLOCK_G] (query: this program's rows; scale: the page's, this head)."""
         c = tl.arange(0, BLOCK_C)
@@ -429,17 +365,24 @@ if triton is not None:
         weight *= tl.load(scale + channel, mask=has_c, other=0).to(tl.float32)
         q = tl.load(query + r[:, None] * dim + channel[None, :],
                     mask=(r[:, None] < rows) & has_c[None, :], other=0.0)  # [R, C]
-        x = _codes(codes + page * block_bytes + (head * channels + c[:, None]) * width,
-                   t[None, :], has_c[:, None] & (t[None, :] < G), width, low_width,
-                   BITS)  # [C, G]
+        start = codes + page * block_bytes + (head * channels + c) * width  # [C]
+        if WORDS:  # then G == BLOCK_G
+            x = _word_rows(start, has_c, low_width, BLOCK_C, BLOCK_G, BITS)  # [C, G]
+        else:
+            x = _codes(start[:, None], t[None, :], has_c[:, None] & (t[None, :] < G), width,
+                       low_width, BITS)
         return tl.dot(q * weight[None, :], x, input_precision=PRECISION)
 
     @triton.jit
     def _page_scores(query, rows, dim, key_scale, key_min, offset,
                      c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
+                     W0: tl.constexpr,
                      c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
+                     W1: tl.constexpr,
                      c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
+                     W2: tl.constexpr,
                      c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
+                     W3: tl.constexpr,
                      NPLANES: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                      PRECISION: tl.constexpr):
@@ -457,27 +400,28 @@ if triton is not None:
         scores = tl.zeros([BLOCK_R, BLOCK_G], tl.float32) + tl.sum(q * shift[None, :],
                                                                     axis=1)[:, None]
         scores += _plane_part(query, rows, dim, key_scale + stats, c0, i0, m0, n0, b0, w0, l0,
-                              BITS0, C0, seq, head, heads, page, G, BLOCK_R, BLOCK_G, PRECISION)
+                              BITS0, C0, W0, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                              PRECISION)
         if NPLANES > 1:
             scores += _plane_part(query, rows, dim, key_scale + stats, c1, i1, m1, n1, b1, w1,
-                                  l1, BITS1, C1, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  l1, BITS1, C1, W1, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         if NPLANES > 2:
             scores += _plane_part(query, rows, dim, key_scale + stats, c2, i2, m2, n2, b2, w2,
-                                  l2, BITS2, C2, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  l2, BITS2, C2, W2, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         if NPLANES > 3:
             scores += _plane_part(query, rows, dim, key_scale + stats, c3, i3, m3, n3, b3, w3,
-                                  l3, BITS3, C3, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                  l3, BITS3, C3, W3, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         return scores
 
     @triton.jit
     def _absorb(scores, first, length, running, mass, out, codes, scale, minimum, block_bytes,
                 width, low_width, GROUP: tl.constexpr, BITS: tl.constexpr,
-                SYMMETRIC: tl.constexpr,
-                page, head, heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+                SYMMETRIC: tl.constexpr, WORDS: tl.constexpr, page, head, heads, rows, dim,
+                G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         """One page into the online softmax: its scores [R, G] (masked before ``first``, a
         sliding window's edge, and past ``length`` held tokens) and p·V from its value codes
         -> the running (max, sum, acc)."""
@@ -490,7 +434,7 @@ if triton is not None:
         p = tl.exp(scores - safe[:, None])
         decay = tl.exp(running - safe)
         v = _token_tile(codes, scale, minimum, page, head, heads, dim, block_bytes, width,
-                        low_width, GROUP, G, BITS, SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+                        low_width, GROUP, G, BITS, SYMMETRIC, WORDS, BLOCK_G, BLOCK_D)  # [G, D]
         out = out * decay[:, None] + tl.dot(p, v, input_precision=PRECISION)
         return peak, mass * decay + tl.sum(p, axis=1), out
 
@@ -509,11 +453,16 @@ if triton is not None:
     @triton.jit
     def _channel_pages(query, pages, held, counts, skip, width, key_scale, key_min, offset,
                        c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
+                       W0: tl.constexpr,
                        c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
+                       W1: tl.constexpr,
                        c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
+                       W2: tl.constexpr,
                        c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
+                       W3: tl.constexpr,
                        values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
-                       V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, acc, top, total,
+                       V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr,
+                       acc, top, total,
                        heads, rows, dim, per_split, NPLANES: tl.constexpr, G: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                        PRECISION: tl.constexpr):
@@ -529,16 +478,17 @@ if triton is not None:
         for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
             page = tl.load(pages + seq * width + n)
             scores = _page_scores(q, rows, dim, key_scale, key_min, offset,
-                                     c0, i0, m0, n0, b0, w0, l0, BITS0, C0,
-                                     c1, i1, m1, n1, b1, w1, l1, BITS1, C1,
-                                     c2, i2, m2, n2, b2, w2, l2, BITS2, C2,
-                                     c3, i3, m3, n3, b3, w3, l3, BITS3, C3,
+                                     c0, i0, m0, n0, b0, w0, l0, BITS0, C0, W0,
+                                     c1, i1, m1, n1, b1, w1, l1, BITS1, C1, W1,
+                                     c2, i2, m2, n2, b2, w2, l2, BITS2, C2, W2,
+                                     c3, i3, m3, n3, b3, w3, l3, BITS3, C3, W3,
                                      NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                      BLOCK_D, PRECISION)
             hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
             running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
                                          running, mass, out, values, v_scale, v_min, v_bytes,
-                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, page,
+                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, V_WORDS,
+                                         page,
                                          head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
                                          PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
@@ -547,9 +497,10 @@ if triton is not None:
     @triton.jit
     def _token_pages(query, pages, held, counts, skip, width, keys, k_scale, k_min, k_bytes,
                      k_width, k_low, K_GROUP: tl.constexpr, K_BITS: tl.constexpr,
-                     K_SYMMETRIC: tl.constexpr, values, v_scale, v_min, v_bytes, v_width,
-                     v_low, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
-                     V_SYMMETRIC: tl.constexpr, acc, top, total, heads, rows, dim, per_split,
+                     K_SYMMETRIC: tl.constexpr, K_WORDS: tl.constexpr, values, v_scale, v_min,
+                     v_bytes, v_width, v_low, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
+                     V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr, acc, top, total, heads,
+                     rows, dim, per_split,
                      G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
                      BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         """As ``_channel_pages`` for per-token key groups (WUSH, rotations) and float pages."""
@@ -566,12 +517,14 @@ if triton is not None:
         for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
             page = tl.load(pages + seq * width + n)
             k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
-                            k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, BLOCK_G, BLOCK_D)  # [G, D]
+                            k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, K_WORDS, BLOCK_G,
+                            BLOCK_D)  # [G, D]
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
             hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
             running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
                                          running, mass, out, values, v_scale, v_min, v_bytes,
-                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, page,
+                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, V_WORDS,
+                                         page,
                                          head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
                                          PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
