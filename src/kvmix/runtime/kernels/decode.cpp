@@ -41,6 +41,7 @@ namespace {
 
 using at::Tensor;
 constexpr int RB = 4;  // query rows computed together
+constexpr size_t AHEAD = 4;  // blocks ahead of the one computed whose codes are prefetched
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 int64_t row_bytes(int64_t n, int bits) { return bits == 3 ? n / 4 + n / 8 : n * bits / 8; }
@@ -250,27 +251,30 @@ DotsFn dots_for(int64_t n, int bits) {
 
 constexpr float LO_STEP = 1.f / 256.f;
 
+inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+
 // Weights [RB, ld] (the first K of each row) -> two int8 planes [RB, Kp] (zero past K) and α:
 // X = round(256·w/α) in [-32512, 32512], hi = round(X / 256), lo = X - 256·hi in [-128, 127].
+// `top`: each row's largest |w| where the caller has it (null: found here).
 void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi, int8_t* lo,
-                   float* alpha) {
+                   float* alpha, const float* top = nullptr) {
   for (int r = 0; r < RB; ++r) {
     const float* row = w + r * ld;
-    __m512 top = _mm512_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_loadu_ps(row + k)));
-    if (k < K)
-      top = _mm512_max_ps(top, _mm512_abs_ps(_mm512_maskz_loadu_ps(__mmask16((1u << (K - k)) - 1),
-                                                                    row + k)));
-    const float largest = _mm512_reduce_max_ps(top);
+    float largest;
+    if (top) {
+      largest = top[r];
+    } else {
+      __m512 most = _mm512_setzero_ps();
+      for (int64_t k = 0; k < K; k += 16)
+        most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_maskz_loadu_ps(first(K - k), row + k)));
+      largest = _mm512_reduce_max_ps(most);
+    }
     alpha[r] = largest / 127.f;
     const __m512 inverse = _mm512_set1_ps(largest > 0.f ? 256.f * 127.f / largest : 0.f);
     const __m512i half = _mm512_set1_epi32(128);
-    for (k = 0; k < Kp; k += 16) {
-      const int64_t left = std::max<int64_t>(K - k, 0);
-      const __mmask16 valid = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(valid, row + k),
-                                                         inverse));
+    for (int64_t k = 0; k < Kp; k += 16) {
+      const __m512i x = _mm512_cvtps_epi32(_mm512_mul_ps(
+          _mm512_maskz_loadu_ps(first(std::max<int64_t>(K - k, 0)), row + k), inverse));
       const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(x, half), 8);
       const __m512i l = _mm512_sub_epi32(x, _mm512_slli_epi32(h, 8));
       const __m128i h8 = _mm512_cvtepi32_epi8(h), l8 = _mm512_cvtepi32_epi8(l);
@@ -283,6 +287,54 @@ void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi
         _mm_mask_storeu_epi8(lo + r * Kp + k, store, l8);
       }
     }
+  }
+}
+
+// One pass over a block's key statistics for RB query rows (D % 16 == 0): each row's bias
+// Σ_c q[c]·(m_c + s_c·off_c), the weights w[r][c] = qm[r][c]·s_c of a plane holding every
+// channel in order (qm: the query times the plane's multipliers) with each row's largest |w|,
+// and the scales as floats (other planes gather theirs). q, qm, w: rows D apart.
+void key_weights(const at::Half* scale, const at::Half* minimum, const float* offset,
+                 const float* q, const float* qm, int64_t D, float* bias, float* w, float* top,
+                 float* scales) {
+  __m512 sum[RB], most[RB];
+  for (int r = 0; r < RB; ++r) sum[r] = most[r] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < D; c += 16) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c)));
+    const __m512 m = _mm512_fmadd_ps(s, _mm512_loadu_ps(offset + c), _mm512_cvtph_ps(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + c))));
+    _mm512_storeu_ps(scales + c, s);
+    for (int r = 0; r < RB; ++r) {
+      sum[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + c), m, sum[r]);
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qm + r * D + c), s);
+      _mm512_storeu_ps(w + r * D + c, x);
+      most[r] = _mm512_max_ps(most[r], _mm512_abs_ps(x));
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    bias[r] = _mm512_reduce_add_ps(sum[r]);
+    top[r] = _mm512_reduce_max_ps(most[r]);
+  }
+}
+
+// One pass over a value group of a block for RB rows of softmax weights p (rows `ld` apart)
+// over T tokens: w[r][t] = p[r][t]·s[t] (rows T apart) with each row's largest |w|, and
+// Σ_t p·m added lane by lane (token t into lane t mod 16) to bias[r·bias_ld, +16).
+void value_weights(const float* p, int64_t ld, const float* s, const float* m, int64_t T,
+                   float* w, float* bias, int64_t bias_ld, float* top) {
+  for (int r = 0; r < RB; ++r) {
+    const float* pr = p + r * ld;
+    __m512 most = _mm512_setzero_ps(), lanes = _mm512_loadu_ps(bias + r * bias_ld);
+    for (int64_t t = 0; t < T; t += 16) {
+      const __mmask16 valid = first(T - t);
+      const __m512 pv = _mm512_maskz_loadu_ps(valid, pr + t);
+      const __m512 x = _mm512_mul_ps(pv, _mm512_maskz_loadu_ps(valid, s + t));
+      _mm512_mask_storeu_ps(w + r * T + t, valid, x);
+      most = _mm512_max_ps(most, _mm512_abs_ps(x));
+      lanes = _mm512_fmadd_ps(pv, _mm512_maskz_loadu_ps(valid, m + t), lanes);
+    }
+    _mm512_storeu_ps(bias + r * bias_ld, lanes);
+    top[r] = _mm512_reduce_max_ps(most);
   }
 }
 
@@ -427,7 +479,12 @@ using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const in
                        const float*, float*, int64_t);
 IntFn int_for(int64_t, int) { return nullptr; }
 // Never called: without the integer kernels no plane or value group has one.
-void round_weights(const float*, int64_t, int64_t, int64_t, int8_t*, int8_t*, float*) {}
+void round_weights(const float*, int64_t, int64_t, int64_t, int8_t*, int8_t*, float*,
+                   const float* = nullptr) {}
+void key_weights(const at::Half*, const at::Half*, const float*, const float*, const float*,
+                 int64_t, float*, float*, float*, float*) {}
+void value_weights(const float*, int64_t, const float*, const float*, int64_t, float*, float*,
+                   int64_t, float*) {}
 #endif
 
 // ---- small vector helpers ---------------------------------------------------------------------
@@ -618,6 +675,9 @@ class Task {
       plane_queries_.push_back(std::move(gathered));
       in_order_.push_back(in_order);
     }
+    const std::vector<Plane>& planes = p.packed.planes;
+    fused_keys_ = !planes.empty() && planes[0].ints && in_order_[0] && planes[0].channels == D &&
+                  D % 16 == 0;
     for (const Unit& u : units_) {
       offsets_.push_back(total_);
       total_ += tokens(u);
@@ -630,7 +690,10 @@ class Task {
   Partial run() {
     const int64_t R = p_.rows, P = p_.padded, D = p_.dim, L = total_;
     scores_.resize(P * std::max<int64_t>(L, 1));  // every unit writes its own scores
-    for (size_t u = 0; u < units_.size(); ++u) scores(units_[u], &scores_[offsets_[u]]);
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (u + AHEAD < units_.size()) prefetch(units_[u + AHEAD], true);
+      scores(units_[u], &scores_[offsets_[u]]);
+    }
     Partial state{std::vector<float>(R, NEG_INF), std::vector<float>(R, 0.f),
                   std::vector<float>(P * D, 0.f)};  // padding rows: written, never read
     for (int64_t r = 0; r < R; ++r) {
@@ -646,8 +709,10 @@ class Task {
       state.sum[r] = exp_sum(s, L, m);
     }
     std::fill(scores_.begin() + R * L, scores_.end(), 0.f);  // padding rows weigh nothing
-    for (size_t u = 0; u < units_.size(); ++u)
+    for (size_t u = 0; u < units_.size(); ++u) {
+      if (u + AHEAD < units_.size()) prefetch(units_[u + AHEAD], false);
       values(units_[u], &scores_[offsets_[u]], state.acc.data());
+    }
     add_value_bias(state.acc.data());
     return state;
   }
@@ -660,6 +725,34 @@ class Task {
   const float* qrow(int64_t r) const { return &q_[r * p_.dim]; }
 
   int64_t page(int64_t n) const { return p_.packed.pages ? p_.packed.pages[n] : n; }
+
+  // The next packed block's key (or value) codes and statistics of this head into the cache
+  // while this one is computed: the pages of a pool are scattered, so the hardware prefetcher
+  // cannot see them coming.
+  void prefetch(const Unit& u, bool keys) const {
+    if (u.segment >= 0) return;
+    const Packed& pk = p_.packed;
+    const int64_t n = page(u.block), H = p_.kv_heads, D = p_.dim, G = pk.group;
+    if (keys && pk.key_mode == 1) {
+      ahead(pk.key_scale + (n * H + h_) * D, D * 2);
+      ahead(pk.key_min + (n * H + h_) * D, D * 2);
+      for (const Plane& plane : pk.planes) {
+        const int64_t bytes = plane.channels * row_bytes(G, plane.bits);
+        ahead(plane.codes + n * plane.block_bytes + h_ * bytes, bytes);
+      }
+      return;
+    }
+    const Stats& st = keys ? pk.keys : pk.values;
+    const int64_t rows = G * (D / st.group), bytes = rows * row_bytes(st.group, st.bits);
+    ahead(st.codes + n * st.block_bytes + h_ * bytes, bytes);
+    ahead(st.scale + (n * H + h_) * rows, rows * 2);
+    if (st.minimum) ahead(st.minimum + (n * H + h_) * rows, rows * 2);
+  }
+
+  static void ahead(const void* start, int64_t bytes) {
+    const char* at = static_cast<const char*>(start);
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(at + i);
+  }
 
   void scores(const Unit& u, float* out) {
     if (u.segment >= 0)
@@ -739,18 +832,35 @@ class Task {
     const Packed& pk = p_.packed;
     const int64_t P = p_.padded, D = p_.dim, G = pk.group, H = p_.kv_heads, L = total_;
     const int64_t T = pk.lengths[n];
-    scale_.resize(D);
-    base_.resize(D);
-    halves(pk.key_scale + (page(n) * H + h_) * D, D, scale_.data());
-    halves(pk.key_min + (page(n) * H + h_) * D, D, base_.data());
+    const at::Half* scale = pk.key_scale + (page(n) * H + h_) * D;
+    const at::Half* minimum = pk.key_min + (page(n) * H + h_) * D;
     const float* offset = pk.key_offset + h_ * D;
-    for (int64_t c = 0; c < D; ++c) base_[c] += scale_[c] * offset[c];
     float* block = work_.data();  // [P, G]
-    for (int64_t r = 0; r < P; ++r) {
-      const float bias = dot(qrow(r), base_.data(), D);
-      std::fill(block + r * G, block + (r + 1) * G, bias);
+    scale_.resize(D);
+    if (fused_keys_) {  // the integer path with a plane of every channel: one pass (key_weights)
+      const Plane& every = pk.planes[0];
+      const int64_t stride = row_bytes(G, every.bits);
+      const uint8_t* rows = every.codes + page(n) * every.block_bytes + h_ * D * stride;
+      weights_.resize(RB * D);
+      for (int64_t r0 = 0; r0 < P; r0 += RB) {
+        float bias[RB], top[RB];
+        key_weights(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
+                    weights_.data(), top, scale_.data());
+        for (int r = 0; r < RB; ++r) std::fill(block + (r0 + r) * G, block + (r0 + r + 1) * G, bias[r]);
+        integer_weights(weights_.data(), D, D, top);
+        every.ints(rows, stride, D, hi_.data(), lo_.data(), padded_, alpha_, block + r0 * G, G);
+      }
+    } else {
+      base_.resize(D);
+      halves(scale, D, scale_.data());
+      halves(minimum, D, base_.data());
+      for (int64_t c = 0; c < D; ++c) base_[c] += scale_[c] * offset[c];
+      for (int64_t r = 0; r < P; ++r) {
+        const float bias = dot(qrow(r), base_.data(), D);
+        std::fill(block + r * G, block + (r + 1) * G, bias);
+      }
     }
-    for (size_t which = 0; which < pk.planes.size(); ++which)
+    for (size_t which = fused_keys_ ? 1 : 0; which < pk.planes.size(); ++which)
       plane(pk.planes[which], plane_queries_[which], n, block);
     for (int64_t r = 0; r < P; ++r) std::copy(block + r * G, block + r * G + T, out + r * L);
   }
@@ -835,6 +945,15 @@ class Task {
     for (int64_t j = 0; j < J; ++j)
       for (int64_t r0 = 0; r0 < P; r0 += RB) {
         const float* scale = &scale_[j * T];
+        if (pk.value_ints) {  // the integer path: weights, bias and largest weights in one pass
+          float top[RB];
+          value_weights(p + r0 * L, L, scale, &base_[j * T], T, weights_.data(),
+                        &value_bias_[(r0 * J + j) * 16], J * 16, top);
+          integer_weights(weights_.data(), T, T, top);
+          pk.value_ints(rows + j * stride, J * stride, T, hi_.data(), lo_.data(), padded_, alpha_,
+                        acc + r0 * D + j * gs, D);
+          continue;
+        }
         for (int r = 0; r < RB; ++r) {
           const float* pr = p + (r0 + r) * L;
           float* bias = &value_bias_[((r0 + r) * J + j) * 16];
@@ -844,12 +963,6 @@ class Task {
               bias[l] += pr[t0 + l] * base_[j * T + t0 + l];
 #pragma omp simd
           for (int64_t t = 0; t < T; ++t) weights_[r * T + t] = pr[t] * scale[t];
-        }
-        if (pk.value_ints) {
-          integer_weights(weights_.data(), T, T);
-          pk.value_ints(rows + j * stride, J * stride, T, hi_.data(), lo_.data(), padded_, alpha_,
-                        acc + r0 * D + j * gs, D);
-          continue;
         }
         float* out = work_.data();  // [RB, gs]
         std::fill(out, out + RB * gs, 0.f);
@@ -914,12 +1027,13 @@ class Task {
       }
   }
 
-  // RB rows of K float weights (`ld` apart) -> hi_, lo_ [RB, padded_] and alpha_.
-  void integer_weights(const float* w, int64_t ld, int64_t K) {
+  // RB rows of K float weights (`ld` apart; `top`: their largest magnitudes, if known)
+  // -> hi_, lo_ [RB, padded_] and alpha_.
+  void integer_weights(const float* w, int64_t ld, int64_t K, const float* top = nullptr) {
     padded_ = (K + 3) / 4 * 4;
     hi_.resize(RB * padded_);
     lo_.resize(RB * padded_);
-    round_weights(w, ld, K, padded_, hi_.data(), lo_.data(), alpha_);
+    round_weights(w, ld, K, padded_, hi_.data(), lo_.data(), alpha_, top);
   }
 
   const Problem& p_;
@@ -930,6 +1044,7 @@ class Task {
   std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;
   std::vector<std::vector<float>> plane_queries_;
   std::vector<bool> in_order_;  // plane i holds channels 0, 1, ..., C-1: its scales need no gather
+  bool fused_keys_ = false;     // integer path, plane 0 every channel in order: key_weights
   std::vector<float> value_bias_;  // [P, J, 16]: Σ p·min of packed values, lane-wise
   std::vector<int8_t> hi_, lo_;
   int64_t padded_ = 0;
