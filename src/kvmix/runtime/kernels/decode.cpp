@@ -575,6 +575,25 @@ float exp_sum(float* x, int64_t n, float shift) {
   return total;
 }
 
+#ifdef __AVX512F__
+// Group j of 16 tokens' statistics stored token-major ([16, J] floats, 32 % J == 0) -> 16 floats:
+// each pair of vectors (32 / J tokens) through one two-source permutation, blended into place.
+inline __m512 token_lanes(const float* stats, int64_t J, int64_t j) {
+  if (J == 1) return _mm512_loadu_ps(stats);
+  const int per = int(32 / J);  // tokens a pair of vectors holds
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512i index = _mm512_add_epi32(
+      _mm512_mullo_epi32(_mm512_and_si512(lane, _mm512_set1_epi32(per - 1)),
+                         _mm512_set1_epi32(int(J))), _mm512_set1_epi32(int(j)));
+  __m512 out = _mm512_setzero_ps();
+  for (int pair = 0; pair < J / 2; ++pair)
+    out = _mm512_mask_mov_ps(out, __mmask16(((1u << per) - 1) << (pair * per)),
+                             _mm512_permutex2var_ps(_mm512_loadu_ps(stats + 32 * pair), index,
+                                                    _mm512_loadu_ps(stats + 32 * pair + 16)));
+  return out;
+}
+#endif
+
 // n float16 values -> floats (F16C, 8 at a time, where the CPU has it).
 void halves(const at::Half* in, int64_t n, float* out) {
   int64_t i = 0;
@@ -1011,13 +1030,17 @@ class Task {
                                                               5, 4, 3, 2, 1, 0),
                                              _mm512_set1_epi32(int(J)));
     const __m512 offset = _mm512_set1_ps(symmetric);
+    const bool permuted = 32 % J == 0;  // transposed by permutations, else by gathers
     for (; t0 + 16 <= T; t0 += 16)  // 16 tokens of a group at a time
       for (int64_t j = 0; j < J; ++j) {
         const __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32(int(t0 * J + j)));
-        const __m512 s = _mm512_i32gather_ps(at, scale, 4);
+        const __m512 s = permuted ? token_lanes(scale + t0 * J, J, j)
+                                  : _mm512_i32gather_ps(at, scale, 4);
         _mm512_storeu_ps(&scale_[j * T + t0], s);
-        _mm512_storeu_ps(&base_[j * T + t0], minimum ? _mm512_i32gather_ps(at, minimum, 4)
-                                                     : _mm512_mul_ps(s, offset));
+        _mm512_storeu_ps(&base_[j * T + t0],
+                         !minimum  ? _mm512_mul_ps(s, offset)
+                         : permuted ? token_lanes(minimum + t0 * J, J, j)
+                                    : _mm512_i32gather_ps(at, minimum, 4));
       }
 #endif
     for (int64_t j = 0; j < J; ++j)
