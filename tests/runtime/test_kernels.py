@@ -94,6 +94,27 @@ def test_backends_are_resolved_and_refused_clearly(monkeypatch):
         assert resolve("auto", "cpu") == "torch"
 
 
+@pytest.mark.parametrize("layout, named", [("group=4,residual=16", "group=4"),
+                                           ("value_group=4", "value_group=4")])
+def test_groups_the_op_does_not_tile_are_refused_when_the_cache_is_made(layout, named):
+    """An explicit backend='cpu' is an error naming the size; auto takes the reference path with
+    one warning; either way before any decode step (the op itself would fail mid-decode)."""
+    from conftest import tiny_llama
+
+    model, method = tiny_llama(seed=2), f"kivi2:{layout}"
+    with pytest.raises(ValueError, match=f"backend='cpu' cannot read kivi's blocks: {named} is "
+                                         "not a multiple of 8, which the CPU decode op tiles"):
+        kvmix.make_cache(model, method, backend="cpu")
+    with pytest.warns(UserWarning, match=f"{named} is not a multiple of 8.*using the reference"):
+        cache = kvmix.make_cache(model, method, backend="auto")
+    assert cache.backend == "torch"
+    ids = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # decodes through the reference path
+        out = model.generate(ids, cache=cache, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 43)
+    assert kvmix.make_cache(model, "kivi2", backend="auto").backend == "cpu"  # 32 and 32: tiled
+
+
 def test_a_compiler_failure_names_the_compiler_and_its_message(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     with pytest.raises(cpu.KernelUnavailable, match="no C\\+\\+ compiler"):

@@ -191,6 +191,17 @@ def test_unsupported_widths_and_head_dims_are_named():
         gpu.check_view(KernelView(groups, groups), 512)
 
 
+def test_a_head_dim_beyond_the_kernels_is_refused_when_the_cache_is_made():
+    from kvmix.models.loading import attention_config
+    from kvmix.runtime.cache import KVMixCache
+
+    config = attention_config(4, 2, 320)
+    with pytest.raises(ValueError, match="backend='triton' cannot read kivi's blocks: "
+                                         "head_dim=320 is too large for the Triton kernels"):
+        KVMixCache("kivi2", config, backend="triton")
+    assert KVMixCache("kivi2", attention_config(4, 2, 256), backend="triton").backend == "triton"
+
+
 def test_generate_through_the_triton_backend_gives_the_reference_tokens():
     from conftest import tiny_llama
     from helpers import method_string

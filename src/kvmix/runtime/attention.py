@@ -7,6 +7,7 @@ residual) and commit the new tokens. For any other layer or cache it is plain SD
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from kvmix.methods import Method, parse_method
 from kvmix.models.rope import rope_pairs
 from kvmix.models.weights import attention_modules, iter_kv_weights, squared_frobenius
-from kvmix.runtime.cache import KVMixCache
+from kvmix.runtime.cache import KVMixCache, UnservedShape
 from kvmix.runtime.kernels import resolve
 from kvmix.runtime.layer import KVMixLayer, take_pending
 
@@ -137,8 +138,15 @@ def build_cache(model: Any, method: str | Method = "kivi2", backend: str = "auto
     method = parse_method(method)  # a bad method string fails before the op is built
     refuse_unsupported(model)
     pairs, norms = model_facts(model)
-    return KVMixCache(method, model.config, pairs, norms, getattr(model, FOLDED, None),
-                      resolve(backend, model.device), max_batch, max_tokens)
+    facts = (method, model.config, pairs, norms, getattr(model, FOLDED, None))
+    resolved = resolve(backend, model.device)
+    try:
+        return KVMixCache(*facts, resolved, max_batch, max_tokens)
+    except UnservedShape as cause:
+        if backend != "auto":
+            raise
+        warnings.warn(f"kvmix: {cause}; using the reference path", stacklevel=3)
+        return KVMixCache(*facts, "torch", max_batch, max_tokens)
 
 
 def refuse_unsupported(model: Any) -> None:

@@ -19,7 +19,7 @@ from transformers.cache_utils import (
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
 from kvmix.runtime.accounting import layout
-from kvmix.runtime.kernels import cpu, gpu
+from kvmix.runtime.kernels import cpu, gpu, unserved
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 from kvmix.runtime.pool import FREE
 
@@ -67,6 +67,11 @@ def model_spec(config: Any, pairs: torch.Tensor | None = None,
                      folded)
 
 
+class UnservedShape(ValueError):
+    """A fused backend's kernels do not tile the method's group or head sizes (raised when the
+    cache is made, never in a decode; ``auto`` falls back to the reference path)."""
+
+
 class KVMixCache(Cache):
     """A transformers Cache whose attention layers (full and sliding-window) are packed by one
     kvmix method."""
@@ -90,6 +95,10 @@ class KVMixCache(Cache):
         self.method = parse_method(method)
         self.spec = model_spec(config, pairs, kv_norms, folded)
         self.method.bind(self.spec)
+        reason = unserved(backend, self.method, self.spec.head_dim)
+        if reason:
+            raise UnservedShape(f"backend={backend!r} cannot read {self.method.name}'s blocks: "
+                                f"{reason} (use backend='torch' or 'auto')")
         max_pages(self.method, max_batch, max_tokens)  # both or neither, before any layer
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)

@@ -34,6 +34,15 @@ def resolve(backend: str, device: torch.device | str) -> str:
     return _usable(backend, "cpu", *cpu.available(), "CPU decode op")
 
 
+def unserved(backend: str, method, head_dim: int) -> str:
+    """Why ``backend``'s kernels cannot read ``method``'s blocks at ``head_dim`` ("" when they
+    can, or when the method reads through the reference path anyway)."""
+    kernels = {"cpu": cpu, "triton": gpu}.get(backend)
+    if kernels is None or method.fast_path.startswith("reference only"):
+        return ""
+    return kernels.unserved(method, head_dim)
+
+
 def interpreting() -> bool:
     """Triton's CPU interpreter (TRITON_INTERPRET=1) runs the kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

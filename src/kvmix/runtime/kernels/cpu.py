@@ -53,6 +53,17 @@ def load() -> None:
         raise KernelUnavailable(f"loading {library} failed: {error}") from error
 
 
+def unserved(method, head_dim: int) -> str:
+    """Why the op cannot read ``method``'s blocks ("" when it can): it tiles blocks of a
+    multiple of 8 tokens and channel groups of a multiple of 8 channels."""
+    sizes = {"group": method.group, "value_group": getattr(method, "value_group", None),
+             "block": getattr(method, "block", None)}  # tokens, value and WUSH channel groups
+    for name, size in sizes.items():
+        if size is not None and size % 8:
+            return f"{name}={size} is not a multiple of 8, which the CPU decode op tiles"
+    return ""
+
+
 def available() -> tuple[bool, str]:
     """(True, "") when the op runs here, else (False, the cause)."""
     try:

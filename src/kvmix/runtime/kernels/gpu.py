@@ -51,6 +51,12 @@ def available() -> tuple[bool, str]:
     return (triton is not None, _CAUSE)
 
 
+def unserved(method, head_dim: int) -> str:
+    """Why the kernels cannot read ``method``'s blocks at ``head_dim`` ("" when they can)."""
+    return f"head_dim={head_dim} is too large for the Triton kernels (<= 256)" \
+        if head_dim > 256 else ""
+
+
 def check_view(view: KernelView | None, head_dim: int) -> None:
     """Bit widths and head dims the kernels tile; anything else is an error naming it."""
     if view is None or isinstance(view.keys, torch.Tensor):
