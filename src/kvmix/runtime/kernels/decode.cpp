@@ -251,7 +251,10 @@ DotsFn dots_for(int64_t n, int bits) {
 
 constexpr float LO_STEP = 1.f / 256.f;
 
-inline __mmask16 first(int64_t n) { return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1); }
+// The first min(n, 16) lanes.
+inline __mmask16 first(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+}
 
 // Weights [RB, ld] (the first K of each row) -> two int8 planes [RB, Kp] (zero past K) and α:
 // X = round(256·w/α) in [-32512, 32512], hi = round(X / 256), lo = X - 256·hi in [-128, 127].
@@ -300,7 +303,8 @@ void key_weights(const at::Half* scale, const at::Half* minimum, const float* of
   __m512 sum[RB], most[RB];
   for (int r = 0; r < RB; ++r) sum[r] = most[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D; c += 16) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c)));
+    const __m512 s =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c)));
     const __m512 m = _mm512_fmadd_ps(s, _mm512_loadu_ps(offset + c), _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + c))));
     _mm512_storeu_ps(scales + c, s);
@@ -762,6 +766,7 @@ class Task {
       return;
     }
     const Stats& st = keys ? pk.keys : pk.values;
+    if (!st.codes) return;
     const int64_t rows = G * (D / st.group), bytes = rows * row_bytes(st.group, st.bits);
     ahead(st.codes + n * st.block_bytes + h_ * bytes, bytes);
     ahead(st.scale + (n * H + h_) * rows, rows * 2);
@@ -865,7 +870,8 @@ class Task {
         float bias[RB], top[RB];
         key_weights(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
                     weights_.data(), top, scale_.data());
-        for (int r = 0; r < RB; ++r) std::fill(block + (r0 + r) * G, block + (r0 + r + 1) * G, bias[r]);
+        for (int r = 0; r < RB; ++r)
+          std::fill(block + (r0 + r) * G, block + (r0 + r + 1) * G, bias[r]);
         integer_weights(weights_.data(), D, D, top);
         every.ints(rows, stride, D, hi_.data(), lo_.data(), padded_, alpha_, block + r0 * G, G);
       }
