@@ -281,14 +281,8 @@ void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi
       const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(x, half), 8);
       const __m512i l = _mm512_sub_epi32(x, _mm512_slli_epi32(h, 8));
       const __m128i h8 = _mm512_cvtepi32_epi8(h), l8 = _mm512_cvtepi32_epi8(l);
-      if (Kp - k >= 16) {
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(hi + r * Kp + k), h8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + r * Kp + k), l8);
-      } else {
-        const __mmask16 store = __mmask16((1u << (Kp - k)) - 1);
-        _mm_mask_storeu_epi8(hi + r * Kp + k, store, h8);
-        _mm_mask_storeu_epi8(lo + r * Kp + k, store, l8);
-      }
+      _mm_mask_storeu_epi8(hi + r * Kp + k, first(Kp - k), h8);
+      _mm_mask_storeu_epi8(lo + r * Kp + k, first(Kp - k), l8);
     }
   }
 }

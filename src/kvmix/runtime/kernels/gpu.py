@@ -67,8 +67,8 @@ def check_view(view: KernelView | None, head_dim: int) -> None:
         if bits not in KERNEL_BITS:
             raise ValueError(f"bits={bits} has no Triton kernel; valid: "
                              f"{', '.join(map(str, KERNEL_BITS))}")
-    if head_dim > 256:
-        raise ValueError(f"head_dim={head_dim} is too large for the Triton kernels (<= 256)")
+    if unserved(None, head_dim):
+        raise ValueError(unserved(None, head_dim))
     if isinstance(view.keys, ChannelKeys) and len(view.keys.planes) > MAX_PLANES:
         raise ValueError(f"{len(view.keys.planes)} key planes; the Triton kernels read at most "
                          f"{MAX_PLANES}")
