@@ -5,6 +5,9 @@ same bytes instead (the anchor of ``kvmix loadtest``)."""
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,19 @@ class ServeConfig:
     max_batch_tokens: int = 2048
     max_waiting: int = 0  # 0: requests beyond the budget wait, however many
     fit_prompt: int = 512  # the request the startup line sizes: prompt + max_tokens tokens
+    max_body: str = "4MB"  # a request body beyond it gets 413
+    request_timeout: float | None = None  # seconds a request may take, waiting included
+    api_key: str | None = None  # /v1/* require it (default: $KVMIX_API_KEY)
+    drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM
+
+    def limits(self) -> Any:
+        """The server's ``Limits`` (refused here with the parameter named)."""
+        from kvmix.serving.server import Limits
+
+        return Limits(self.max_tokens, self.max_waiting,
+                      int(parse_memory(self.max_body, "max_body")),
+                      self.request_timeout, self.api_key or os.environ.get("KVMIX_API_KEY"),
+                      self.drain_timeout)
 
 
 def add_parser(commands) -> None:
@@ -52,6 +68,17 @@ def add_parser(commands) -> None:
                         help="answer 429 beyond this many waiting requests (0: none refused)")
     parser.add_argument("--fit-prompt", type=int, default=defaults.fit_prompt,
                         help="prompt tokens of the request the startup line sizes")
+    parser.add_argument("--max-body", default=defaults.max_body,
+                        help="largest request body, e.g. 4MB (413 beyond)")
+    parser.add_argument("--request-timeout", type=float, default=None,
+                        help="seconds a request may take, waiting included (504 beyond; its "
+                             "pages return)")
+    parser.add_argument("--api-key", default=None,
+                        help="/v1/* require 'Authorization: Bearer KEY' (default: "
+                             "$KVMIX_API_KEY; /health and /metrics stay open)")
+    parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout,
+                        help="on SIGTERM/SIGINT: 503 to new requests, running ones finish "
+                             "for up to this many seconds, then exit 0")
     parser.set_defaults(run=lambda args: run_serve(ServeConfig(**{
         k: getattr(args, k) for k in vars(defaults)})))
 
@@ -69,8 +96,7 @@ def build(config: ServeConfig) -> tuple[Any, Any, str]:
         value = getattr(config, name)
         if not isinstance(value, int) or value < (0 if name == "port" else 1):
             raise ValueError(f"{name}={value!r} is invalid; expected a positive integer")
-    if config.max_waiting < 0:
-        raise ValueError(f"max_waiting={config.max_waiting} is invalid; expected >= 0")
+    config.limits()  # bad limits are refused before the model loads
     try:
         loaded = load_model(config.model, config.dtype, config.device)
     except (OSError, ValueError) as error:
@@ -103,19 +129,35 @@ def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
 
 
 def run_serve(config: ServeConfig) -> None:
+    """Serve until SIGTERM/SIGINT (drained: exit 0) or the generation loop dies (exit 1)."""
     from kvmix.serving.server import Server, build_app
 
+    limits = config.limits()
     manager, tokenizer, line = build(config)
     try:
-        server = Server(build_app(manager, tokenizer, config.model, config.max_tokens,
-                                  config.max_waiting), config.host, config.port)
+        server = Server(build_app(manager, tokenizer, config.model, limits), config.host,
+                        config.port)
     except OSError as error:
         raise ValueError(f"cannot listen on {config.host}:{config.port}: {error}") from None
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kvmix.serve").setLevel(logging.INFO)
     manager.start()
     console.print(f"kvmix serve · {config.model} · {line}")
     console.print(f"listening on {server.url} (/v1/completions, /v1/chat/completions, "
                   "/v1/models, /health, /metrics)")
+    if limits.api_key is None and not _loopback(config.host):
+        console.print(f"[yellow]warning: listening on {config.host} without an API key: "
+                      "anyone who reaches it can use it (--api-key or KVMIX_API_KEY)[/]")
     try:
-        server.run()
+        code = server.run()
     finally:
         manager.stop(block=True, timeout=10)
+    if code:
+        raise SystemExit(code)
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"

@@ -29,6 +29,7 @@ import os
 import threading
 import weakref
 from collections import Counter
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -38,7 +39,24 @@ from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import slack_bytes, store_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
 from kvmix.runtime.pool import PagePool, PoolFull
-from kvmix.runtime.store import FLOAT16_MAX, BatchStore, RowView, check_finite, peak
+from kvmix.runtime.store import (
+    FLOAT16_MAX,
+    BatchStore,
+    RowFault,
+    RowView,
+    check_finite,
+    peak,
+    row_peaks,
+)
+
+
+@dataclass
+class _Undo:
+    """What a continuous-batching step changed in a layer, until commit or rollback."""
+
+    batch: int  # rows before the step (those after it joined)
+    counts: tuple[list[int], list[int]]  # sink and residual lengths before the step
+    step: tuple[torch.Tensor, torch.Tensor] | None = None  # a decode step's queries, keys
 
 
 class _Handoff(threading.local):
@@ -161,7 +179,7 @@ class KVMixLayer(CacheLayerMixin):
             new.append((k, v, q))
         try:
             self._commit(new)
-        except PoolFull:
+        except (PoolFull, RowFault):
             self.length -= query.shape[-2]  # refused before anything changed: not staged
             raise
         return out
@@ -178,23 +196,41 @@ class KVMixLayer(CacheLayerMixin):
         self._commit([(keys[b : b + 1], values[b : b + 1], queries[b : b + 1])
                       for b in range(keys.shape[0])])
 
-    # -- continuous batching: sequences join and leave between steps ---------------------------
+    # -- continuous batching: a step of every running request and the requests joining -------
+    #
+    # A step is staged in every layer, then committed once the whole forward (and its
+    # sampling) went through, or rolled back so each layer is exactly as before the step:
+    # a decode step writes its tokens and attends, but seals nothing until ``commit``; rows
+    # that join are the last rows, which ``rollback`` removes.
+
+    def decode(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               scaling: float) -> torch.Tensor:
+        """A decode step of every row (every running request, one new token each): query
+        [B, Hq, 1, D] (in the cache's key space), keys (transformed), values [B, H, 1, D] ->
+        [B, Hq, 1, D]. ``peaks`` [B] holds each row's largest magnitude (NaN for a NaN), for
+        the step's validation before ``commit``."""
+        self.store.reserve_step()  # a fixed pool refuses here, before anything changes
+        self._stage()
+        self._undo.step = query, keys
+        self.peaks = row_peaks(keys, values)
+        return self._write_and_attend(query, keys, values, scaling)
 
     def join(self, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
              scaling: float) -> list[torch.Tensor]:
         """New sequences after the last row (requests admitted at this step), each its whole
         prompt: queries [1, Hq, n, D] (in the cache's key space), keys (transformed), values
         [1, H, n, D]. Each attends over itself, as a prompt of ``generate`` does, and is
-        committed -> outputs [1, Hq, n, D]."""
-        self.check()
-        for _, keys, values in prompts:
-            check_finite(keys, values, self.layer_idx)
+        laid out -> outputs [1, Hq, n, D]. A prompt refused (non-finite, or beyond float16
+        for a quantizing method) raises a ``RowFault`` naming its row."""
+        first = self.store.batch
+        for i, (_, keys, values) in enumerate(prompts):
+            check_finite(keys, values, self.layer_idx, [first + i])
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
             if self.max_batch is not None:  # a cache sized up front: every row's slots now
                 self.store.reserve_rows(self.max_batch)
-        first = self.store.batch
         self._check_batch(first + len(prompts))
+        self._stage()
         self.store.add_rows(len(prompts))
         self.pads += [0] * len(prompts)
         out = [self._attend_row(self.store.row(first + i), q, k, v, scaling)
@@ -202,17 +238,34 @@ class KVMixLayer(CacheLayerMixin):
         self._commit([(k, v, q) for q, k, v in prompts], range(first, self.store.batch))
         return out
 
-    def decode(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               scaling: float) -> torch.Tensor:
-        """A decode step of every row (every running request, one new token each): query
-        [B, Hq, 1, D] (in the cache's key space), keys (transformed), values [B, H, 1, D] ->
-        [B, Hq, 1, D]."""
-        self.store.reserve_step()
-        if checks_every_step():
-            check_finite(keys, values, self.layer_idx)
-        else:
-            self._flag(keys, values)
-        return self._step(query, keys, values, scaling)
+    def commit(self) -> None:
+        """The staged step is kept: rows that decoded follow it (online selection) and seal
+        their full residuals."""
+        undo, self._undo = self._undo, None
+        if undo is not None and undo.step is not None:
+            self._seal_step(*undo.step)
+
+    def rollback(self) -> None:
+        """The staged step is undone: rows that joined leave (their pages return), the others'
+        lengths are what they were (the tokens written past them are never read)."""
+        undo, self._undo = self._undo, None
+        if undo is None:
+            return
+        while self.store.batch > undo.batch:
+            self.leave(self.store.batch - 1)
+        if undo.step is not None:
+            self.store.restore(undo.counts)
+
+    def fork(self, b: int, count: int) -> None:
+        """``count`` rows after the last, copies of row ``b`` sharing its pages (between
+        steps: the choices of one prompt)."""
+        self._check_batch(self.store.batch + count)
+        self.store.fork(b, count)
+        self.pads += [self.pads[b]] * count
+
+    def _stage(self) -> None:
+        if self._undo is None:
+            self._undo = _Undo(self.store.batch, self.store.counts())
 
     def leave(self, b: int) -> int:
         """Row ``b``'s sequence ends (its pages return to the pool); the last row takes its place
@@ -232,20 +285,29 @@ class KVMixLayer(CacheLayerMixin):
     def _step(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               scaling: float) -> torch.Tensor:
         """A decode step: one new token per sequence -> [B, Hq, 1, D]."""
+        out = self._write_and_attend(query, keys, values, scaling)
+        self._seal_step(query, keys)
+        return out
+
+    def _write_and_attend(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          scaling: float) -> torch.Tensor:
+        """One new token per sequence into its slot, attended -> [B, Hq, 1, D]."""
         store = self.store
         fused = FUSED.get(self.backend)
         if fused and fused.batched(store):
             store.write(keys, values)
-            out = fused.attend_batch(store, query, scaling)  # one call for the whole batch
-        else:
-            out = torch.cat([self._attend_row(store.row(b), query[b : b + 1], keys[b : b + 1],
-                                              values[b : b + 1], scaling)
-                             for b in range(store.batch)])
-            store.write(keys, values)
-        store.observe_step(query, keys)
-        with fused_encoding(self.backend == "triton"):
-            store.flush()
+            return fused.attend_batch(store, query, scaling)  # one call for the whole batch
+        out = torch.cat([self._attend_row(store.row(b), query[b : b + 1], keys[b : b + 1],
+                                          values[b : b + 1], scaling)
+                         for b in range(store.batch)])
+        store.write(keys, values)
         return out
+
+    def _seal_step(self, query: torch.Tensor, keys: torch.Tensor) -> None:
+        """After a step's tokens are written: selections follow them, full residuals seal."""
+        self.store.observe_step(query, keys)
+        with fused_encoding(self.backend == "triton"):
+            self.store.flush()
 
     def check(self) -> None:
         """Raise if a decode step since the last check stored a non-finite value (or one beyond
@@ -281,6 +343,8 @@ class KVMixLayer(CacheLayerMixin):
         self.staged = None
         self.stepping = False
         self.is_initialized = False
+        self._undo: _Undo | None = None  # a continuous-batching step not committed yet
+        self.peaks: torch.Tensor | None = None
         _FLAGS.pop(self, None)
 
     def crop(self, tokens_to_remove: int) -> None:

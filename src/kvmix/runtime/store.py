@@ -130,6 +130,21 @@ class BatchStore:
         self._view(last)
         return last
 
+    def fork(self, b: int, count: int) -> None:
+        """``count`` new rows after the last, each a copy of row ``b`` (choices of one prompt):
+        its sealed pages shared (reference counts), its float slots and selection copied."""
+        first = self.batch
+        self.add_rows(count)
+        for r in range(first, first + count):
+            for buffer in self._buffers:
+                buffer[r] = buffer[b]
+            self.pool.retain(self.pages[b])
+            self.pages[r], self.held[r] = list(self.pages[b]), list(self.held[b])
+            for name in ("sink_len", "res_len", "dropped", "prefilled"):
+                getattr(self, name)[r] = getattr(self, name)[b]
+            self.selections[r] = map_tensors(self.selections[b], torch.clone)
+        self._view(self.batch)
+
     @property
     def slot_rows(self) -> int:
         """Rows the slot buffers hold (in use or not)."""
@@ -181,16 +196,24 @@ class BatchStore:
         rows = range(self.batch) if rows is None else rows
         plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in zip(rows, new, strict=True)]
         self.pool.reserve(sum(p.blocks - p.dropped for p in plans))  # refuse before any change
+        joined = [self._joined(p.row, k[0], v[0]) for p, (k, v, _) in zip(plans, new,
+                                                                          strict=True)]
+        if self.method.quantizes:  # what will be sealed fits the float16 statistics
+            for plan, (keys, values) in zip(plans, joined, strict=True):
+                sealed = slice(plan.sink + plan.dropped * self.method.group, _cut(self.method,
+                                                                                  plan))
+                check_float16_range(keys[:, sealed], values[:, sealed], self.layer, [plan.row])
         sealed = []
-        for plan, (keys, values, queries) in zip(plans, new, strict=True):
-            if keys.shape[-2]:
-                self._observe(plan.row, keys, values, queries)
-                sealed += self._lay_out(plan, keys[0], values[0])
+        for plan, (keys, values), (new_keys, new_values, queries) in zip(plans, joined, new,
+                                                                          strict=True):
+            if new_keys.shape[-2]:
+                self._observe(plan.row, new_keys, new_values, queries)
+                sealed += self._lay_out(plan, keys, values)
         if sealed:
-            rows, keys, values = zip(*sealed, strict=True)
-            self._seal(list(rows), [k.shape[0] for k in keys], torch.cat(keys),
+            rows_sealed, keys, values = zip(*sealed, strict=True)
+            self._seal(list(rows_sealed), [k.shape[0] for k in keys], torch.cat(keys),
                        torch.cat(values))
-        self._slide(range(self.batch))
+        self._slide(rows)
 
     def _place(self, b: int, n: int) -> Placement:
         """The flush rule in closed form for ``n`` more tokens of row ``b``."""
@@ -206,17 +229,22 @@ class BatchStore:
             dropped = min(max((edge - start) // m.group, 0), blocks)
         return Placement(b, into_sink, blocks, rest - blocks * m.group, dropped)
 
+    def _joined(self, b: int, keys: torch.Tensor, values: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s residual followed by its new tokens, keys, values [H, r + n, D]."""
+        s, r = self.method.sink, self.res_len[b]
+        return (torch.cat([self.keys[b, :, s : s + r], keys], dim=1),
+                torch.cat([self.values[b, :, s : s + r], values], dim=1))
+
     def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
-        """Row ``plan.row``'s residual and new tokens ([H, n, D]) into sink, groups to seal (->
-        [] or [(row, keys, values [n_blocks, H, G, D])]) and residual."""
+        """Row ``plan.row``'s residual and new tokens (``_joined``, [H, r + n, D]) into sink,
+        groups to seal (-> [] or [(row, keys, values [n_blocks, H, G, D])]) and residual."""
         b, m, s = plan.row, self.method, self.method.sink
-        keys = torch.cat([self.keys[b, :, s : s + self.res_len[b]], keys], dim=1)
-        values = torch.cat([self.values[b, :, s : s + self.res_len[b]], values], dim=1)
         at = self.sink_len[b]
         self.keys[b, :, at : at + plan.sink] = keys[:, : plan.sink]
         self.values[b, :, at : at + plan.sink] = values[:, : plan.sink]
         self.sink_len[b] += plan.sink
-        cut = plan.sink + plan.blocks * m.group
+        cut = _cut(m, plan)
         tail = slice(cut, cut + plan.residual)
         self.keys[b, :, s : s + plan.residual] = keys[:, tail]
         self.values[b, :, s : s + plan.residual] = values[:, tail]
@@ -254,6 +282,18 @@ class BatchStore:
         index = torch.tensor(positions, device=keys.device)
         self.keys[rows, :, index] = keys[:, :, 0]
         self.values[rows, :, index] = values[:, :, 0]
+
+    def counts(self) -> tuple[list[int], list[int]]:
+        """Every row's sink and residual lengths (what a decode step's ``write`` changes)."""
+        return list(self.sink_len), list(self.res_len)
+
+    def restore(self, counts: tuple[list[int], list[int]]) -> None:
+        """Undo the ``write`` of a step not flushed yet: the lengths of ``counts``; the slots
+        past them hold nothing."""
+        rows = len(counts[0])
+        self.sink_len[:rows], self.res_len[:rows] = counts
+        self.version += 1
+        self.table_version += 1
 
     def reserve_step(self) -> None:
         """Room in the pool for the pages a decode step will seal, or an error before anything
@@ -303,7 +343,7 @@ class BatchStore:
         for b in full:
             self.res_len[b] -= m.group
         oldest = slice(s, s + m.group)  # [n, H, G, D]
-        self._seal(full, [1] * len(full), keys[:, :, oldest], values[:, :, oldest], check=False)
+        self._seal(full, [1] * len(full), keys[:, :, oldest], values[:, :, oldest])
 
     # -- the window ----------------------------------------------------------------------------
 
@@ -331,13 +371,12 @@ class BatchStore:
     # -- sealing -------------------------------------------------------------------------------
 
     def _seal(self, rows: list[int], counts: list[int], keys: torch.Tensor,
-              values: torch.Tensor, check: bool = True) -> None:
+              values: torch.Tensor) -> None:
         """Groups of ``rows`` (``counts`` each, in order), keys, values [n, H, G, D] -> pages,
-        in one ``encode`` call."""
+        in one ``encode`` call (validated by the caller: a prompt's before any change, a
+        step's on the device)."""
         if not rows:
             return
-        if check and self.method.quantizes:
-            check_float16_range(keys, values, self.layer)
         state = self.method.encode(keys, values, self.layer, self._selection_per_block(rows,
                                                                                       counts))
         ids = self.pool.write(Blocks(*state))
@@ -529,17 +568,32 @@ class RowView:
                           for i, n in enumerate(self.lengths)])
 
 
-def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
-    """An error naming the layer if any key or value is inf or NaN. One fused test per call
-    (a sum is non-finite when any element is, or on overflow, then checked precisely). Meta
-    tensors hold no values: nothing to check."""
+class RowFault(ValueError):
+    """Tokens of some rows were refused before anything changed: ``rows``, the store's rows
+    they belong to (the other rows' tokens are not in question)."""
+
+    def __init__(self, message: str, rows: list[int]):
+        super().__init__(message)
+        self.rows = rows
+
+
+def _cut(method: Method, plan: Placement) -> int:
+    """Where a row's groups to seal end in its residual followed by its new tokens."""
+    return plan.sink + plan.blocks * method.group
+
+
+def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int,
+                 rows: list[int] | None = None) -> None:
+    """An error naming the layer if any key or value is inf or NaN (a ``RowFault`` of
+    ``rows``, the rows they belong to). One fused test per call (a sum is non-finite when any
+    element is, or on overflow, then checked precisely). Meta tensors hold no values."""
     if keys.is_meta or torch.isfinite(keys.sum(dtype=torch.float32) +
                                       values.sum(dtype=torch.float32)):
         return
     for name, x in (("keys", keys), ("values", values)):
         if not torch.isfinite(x).all():
-            raise ValueError(f"non-finite {name} in layer {layer}: kvmix keeps finite values "
-                             "only (check the model's dtype and inputs)")
+            raise RowFault(f"non-finite {name} in layer {layer}: kvmix keeps finite values "
+                           "only (check the model's dtype and inputs)", rows or [])
 
 
 def peak(keys: torch.Tensor, values: torch.Tensor, running: torch.Tensor | None
@@ -551,14 +605,24 @@ def peak(keys: torch.Tensor, values: torch.Tensor, running: torch.Tensor | None
     return top if running is None else torch.maximum(running, top)
 
 
-def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int) -> None:
-    """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored (meta
-    tensors hold no values to check)."""
+def row_peaks(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Each row's largest magnitude, keys and values [B, ...] -> [B] float32 (NaN where a value
+    is NaN): a step's tokens validated on the device, per row, without a host sync."""
+    def top(x: torch.Tensor) -> torch.Tensor:
+        return x.float().abs().flatten(1).amax(1)
+
+    return torch.maximum(top(keys), top(values))
+
+
+def check_float16_range(keys: torch.Tensor, values: torch.Tensor, layer: int,
+                        rows: list[int] | None = None) -> None:
+    """Quantized blocks keep float16 statistics: values beyond ±65504 cannot be stored (a
+    ``RowFault`` of ``rows``; meta or empty tensors hold no values to check)."""
     for name, x in (("keys", keys), ("values", values)):
-        if x.is_meta:
+        if x.is_meta or not x.numel():
             continue
         peak = x.abs().amax().item()
         if peak > FLOAT16_MAX:
-            raise ValueError(f"{name} in layer {layer} reach {peak:.3g}, beyond the float16 range "
-                             f"(±{FLOAT16_MAX:.0f}) of the stored scales and minimums; use "
-                             "method 'full' for this model")
+            raise RowFault(f"{name} in layer {layer} reach {peak:.3g}, beyond the float16 range "
+                           f"(±{FLOAT16_MAX:.0f}) of the stored scales and minimums; use "
+                           "method 'full' for this model", rows or [])

@@ -26,6 +26,7 @@ import torch
 from kvmix.evaluation.planner import kv_bytes
 from kvmix.methods import Method
 from kvmix.models.catalog import SLIDING, Architecture, from_config
+from kvmix.runtime.accounting import layout, segment_bytes
 from kvmix.runtime.cache import max_pages
 
 MOST_ROWS = 1024  # transformers' own cap on the requests of one batch
@@ -88,6 +89,29 @@ class Budget:
         """Pages one request of ``tokens`` tokens holds at most, per window of ``windows``."""
         return [max_pages(self.method, 1, tokens, w) for w in self.windows]
 
+    def reservation(self, tokens: int, prompt: int, n: int = 1
+                    ) -> tuple[Reservation, Reservation]:
+        """(what each of a request's ``n`` choices holds at ``tokens`` tokens, what they share).
+        With n > 1 the prompt less its last token is prefilled once and its sealed pages are
+        shared by every choice (full-attention layers: a sliding window releases them);
+        one choice shares nothing."""
+        whole = Reservation(self.footprint(tokens), tuple(self.pages(tokens)))
+        if n == 1:
+            return whole, Reservation(0.0, (0,) * len(self.windows))
+        held = layout(self.method, prompt - 1)
+        spec = self.arch.spec()
+        shared = Reservation(
+            sum(segment_bytes(self.method, spec, i, held, self.dtype)["blocks"]
+                for i, kind in enumerate(self.arch.layer_types) if kind != SLIDING),
+            tuple(held.blocks if w is None else 0 for w in self.windows))
+        own = Reservation(whole.nbytes - shared.nbytes,
+                          tuple(w - s for w, s in zip(whole.pages, shared.pages, strict=True)))
+        return own, shared
+
+    def need(self, own: Reservation, shared: Reservation, n: int) -> list[int]:
+        """Pages per window ``n`` choices hold together."""
+        return [n * o + s for o, s in zip(own.pages, shared.pages, strict=True)]
+
     @functools.cached_property
     def span(self) -> int:
         """The longest requests of which ``rows`` fit the budget (>= ``length``)."""
@@ -106,9 +130,9 @@ class Budget:
         return _last(1, self.arch.max_positions or 1 << 24, lambda t: all(
             n <= c for n, c in zip(self.pages(t), self.capacity, strict=True)))
 
-    def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
-        """Why a request of ``prompt`` tokens asking for ``new_tokens`` can never be served, or
-        None."""
+    def refusal(self, prompt: int, new_tokens: int | None, n: int = 1) -> str | None:
+        """Why a request of ``prompt`` tokens asking for ``new_tokens`` in ``n`` choices can
+        never be served, or None."""
         why = size_refusal(prompt, new_tokens, self.arch.max_positions)
         if why:
             return why
@@ -121,7 +145,28 @@ class Budget:
                     f"cache at {prompt + new_tokens} tokens, beyond the budget memory="
                     f"{self.memory / 1e6:.2f} MB (split for {self.rows} requests of "
                     f"{self.span} tokens: at most {self.longest} tokens for one)")
+        if n > 1:
+            return self._choices_refusal(prompt, new_tokens, n)
         return None
+
+    def _choices_refusal(self, prompt: int, new_tokens: int, n: int) -> str | None:
+        if prompt < 2:
+            return f"n={n} choices need a prompt of at least 2 tokens (it has {prompt})"
+        need = self.need(*self.reservation(prompt + new_tokens, prompt, n), n)
+        if n > self.rows or any(k > c for k, c in zip(need, self.capacity, strict=True)):
+            return (f"n={n} choices of {prompt} + {new_tokens} tokens need {n} rows and "
+                    f"{max(need)} pages per layer, beyond the budget memory="
+                    f"{self.memory / 1e6:.2f} MB ({self.rows} rows, {max(self.capacity)} "
+                    "pages per layer)")
+        return None
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Bytes (the planner's formula) and pages per window held at a request's longest."""
+
+    nbytes: float
+    pages: tuple[int, ...]
 
 
 def size_refusal(prompt: int, new_tokens: int | None, positions: int | None) -> str | None:

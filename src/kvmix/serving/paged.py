@@ -26,6 +26,7 @@ are exactly the requests decoding plus the ones joining.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -49,9 +50,10 @@ from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
 from kvmix.runtime.pool import FREE
-from kvmix.serving.anchor import Measured, greedy
-from kvmix.serving.budget import Budget, model_architecture
-from kvmix.serving.stats import Stats
+from kvmix.runtime.store import FLOAT16_MAX, RowFault
+from kvmix.serving.budget import Budget, Reservation, model_architecture
+from kvmix.serving.engine import Served, greedy
+from kvmix.serving.sampling import RequestFault
 
 NAME = "kvmix_paged"
 DEFAULT_MAX_BATCH_TOKENS = 2048
@@ -63,6 +65,26 @@ class Step:
 
     decode: torch.Tensor | None  # [B] position of every row's new token, in row order
     joins: list[tuple[int, int]]  # (start, length) of each admitted request's prompt
+    ids: list[str]  # row -> request id, the joining rows last
+
+    def blame(self, fault: RowFault) -> RequestFault:
+        """A layer refused some rows' tokens: the requests they belong to."""
+        return RequestFault({self.ids[row]: str(fault) for row in fault.rows})
+
+
+@dataclass
+class Family:
+    """The ``n`` choices of one request: what each reserves, the prompt pages they share
+    (released with the last of them), the choices forked so far and those still to come."""
+
+    own: Reservation
+    shared: Reservation
+    members: set[str]
+    unborn: int
+
+    @property
+    def nbytes(self) -> float:
+        return self.shared.nbytes + self.own.nbytes * (len(self.members) + self.unborn)
 
 
 class _Handoff(threading.local):
@@ -116,13 +138,18 @@ class KVMixPagedCache(PagedAttentionCache):
         self.use_prefix_sharing = self.allow_block_sharing = False
         self.bytes_per_sector = 1
         self.pool = _NoSectors()
-        self.reserved: dict[str, tuple[float, list[int]]] = {}  # id -> (bytes, pages per window)
+        self.reserved: dict[str, Family] = {}  # every admitted request (each choice) -> family
         self.pages_reserved = [0] * len(budget.windows)
+        self.rows_reserved = 0
         self.rows: dict[str, int] = {}  # request id -> its row in every layer
         self.order: list[str] = []  # row -> request id
         self.peak_nbytes = 0
+        # fault injection (tests, drills): called with (request id, tokens it holds) for every
+        # request of a step before the forward; what it raises fails that request alone
+        self.inject: Callable[[str, int], None] | None = None
         self._entries: list[tuple[str, int, int]] = []
         self._step: Step | None = None
+        self._before: tuple[dict[str, int], list[str]] | None = None  # rows before the step
         self._waiting_refused = False
 
     # -- admission (the scheduler's questions) -------------------------------------------------
@@ -135,30 +162,43 @@ class KVMixPagedCache(PagedAttentionCache):
     def can_store_request_tokens(self, state: Any, request_len: int,
                                  dry_run: bool = False) -> bool:
         """A running request always fits (it reserved the pages of its longest length); a new
-        one fits when its whole prompt is in this forward, a row is free and its pages fit
-        beside every running request's."""
+        one fits when its whole prompt is in this forward, a row is free for each of its
+        choices and their pages fit beside every running request's."""
         if state.request_id in self.reserved:
             return True
-        tokens = len(state.initial_tokens) + state.max_new_tokens
-        need = self.budget.pages(tokens)
+        n = 1 + state.num_children
+        prompt = len(state.initial_tokens)
+        own, shared = self.budget.reservation(prompt + state.max_new_tokens, prompt, n)
+        need = self.budget.need(own, shared, n)
         fits = (not self._waiting_refused
                 and request_len == len(state.remaining_prefill_tokens)  # never split a prompt
-                and len(self.reserved) < self.budget.rows
-                and all(used + n <= cap for used, n, cap in zip(
+                and self.rows_reserved + n <= self.budget.rows
+                and all(used + k <= cap for used, k, cap in zip(
                     self.pages_reserved, need, self.budget.capacity, strict=True)))
         if fits and not dry_run:
-            self.reserved[state.request_id] = self.budget.footprint(tokens), need
-            self.pages_reserved = [used + n for used, n in zip(self.pages_reserved, need,
-                                                                strict=True)]
+            self.reserved[state.request_id] = Family(own, shared, {state.request_id}, n - 1)
+            self._hold(n, need)
         self._waiting_refused |= not fits
         return fits
 
-    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
-        """A request ended (finished, failed or cancelled): its reservation and its row go; its
-        pages return to every layer's pool."""
-        _, pages = self.reserved.pop(request_id, (0.0, [0] * len(self.pages_reserved)))
-        self.pages_reserved = [used - n for used, n in zip(self.pages_reserved, pages,
+    def _hold(self, rows: int, pages: list[int] | tuple[int, ...]) -> None:
+        """Reserve (or, negative, release) rows and pages per window."""
+        self.rows_reserved += rows
+        self.pages_reserved = [used + k for used, k in zip(self.pages_reserved, pages,
                                                             strict=True)]
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        """A request ended (finished, failed or cancelled): its reservation and its row go
+        (with the choices it never forked; the pages its choices share with the last of them);
+        its pages return to every layer's pool."""
+        family = self.reserved.pop(request_id, None)
+        if family is not None:
+            family.members.discard(request_id)
+            gone = 1 + family.unborn  # the forks to come never come once the prompt's row goes
+            family.unborn = 0
+            self._hold(-gone, [-gone * k for k in family.own.pages])
+            if not family.members:
+                self._hold(0, [-k for k in family.shared.pages])
         row = self.rows.pop(request_id, None)
         if row is None:
             return
@@ -175,8 +215,10 @@ class KVMixPagedCache(PagedAttentionCache):
             layer.reset()
         self.reserved.clear()
         self.pages_reserved = [0] * len(self.pages_reserved)
+        self.rows_reserved = 0
         self.rows.clear()
         self.order.clear()
+        self._entries, self._step, self._before = [], None, None
 
     def reset(self) -> None:
         self.free_all_requests()
@@ -187,8 +229,10 @@ class KVMixPagedCache(PagedAttentionCache):
         return free / room if relative else free
 
     def reserved_bytes(self) -> float:
-        """What the admitted requests will hold at their longest, by the planner's formula."""
-        return sum(nbytes for nbytes, _ in self.reserved.values())
+        """What the admitted requests will hold at their longest, by the planner's formula
+        (the pages choices share counted once)."""
+        families = {id(f): f for f in self.reserved.values()}
+        return sum(f.nbytes for f in families.values())
 
     def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
         return 0  # no prefix sharing: a shared prefix would share a selection made for another
@@ -202,14 +246,64 @@ class KVMixPagedCache(PagedAttentionCache):
     def evict_cached_blocks(self) -> bool:
         return False
 
+    # -- choices: a request's n rows fork from its prompt's row --------------------------------
+
+    def prepare_fork_request(self, state: Any, new_request_ids: list[str],
+                             fork_src_and_dst: Any) -> list[str]:
+        """After a request's prompt (less its last token) was prefilled: its other choices
+        become rows sharing its pages, every layer, each with the reservation it made room
+        for at admission."""
+        family = self.reserved[state.request_id]
+        row = self.rows[state.request_id]
+        for layer in self.layers:
+            layer.fork(row, len(new_request_ids))
+        for request_id in new_request_ids:
+            self.rows[request_id] = len(self.order)
+            self.order.append(request_id)
+            self.reserved[request_id] = family
+            family.members.add(request_id)
+            family.unborn -= 1
+        return list(new_request_ids)
+
+    def perform_cache_copy(self, fork_src_and_dst: Any) -> None:
+        """Forked rows share their pages: nothing is copied."""
+
     # -- the step: which request is where in the flat batch ------------------------------------
 
     def extend_read_and_write_indices(self, request_id: str, past_length: int, query_length: int,
                                       read_index: Any, write_index: Any) -> None:
         """Called once per request of the next forward, in batch order."""
-        if self._step is not None:  # the previous forward ran: a new batch begins
-            self._entries, self._step = [], None
         self._entries.append((request_id, past_length, query_length))
+
+    # -- the step: staged in every layer, then committed or rolled back ------------------------
+
+    def step_faults(self) -> tuple[list[tuple[str, str]], torch.Tensor | None]:
+        """The decoding rows' requests, each with a message template, and per row the first
+        layer whose new keys or values are non-finite (or, for a quantizing method, beyond the
+        float16 range), -1 where none is: [B] float32 on the device (read with the logits)."""
+        if self._step is None or self._step.decode is None:
+            return [], None
+        peaks = torch.stack([layer.peaks for layer in self.layers])  # [L, B]
+        bound = FLOAT16_MAX if self.kv.method.quantizes else torch.finfo(torch.float32).max
+        bad = ~(peaks <= bound)  # NaN compares false
+        first = torch.where(bad.any(0), bad.float().argmax(0), -1.0)
+        why = ("non-finite keys or values in layer {layer} (or, for a quantizing method, "
+               "beyond the float16 range ±65504): kvmix keeps finite values only")
+        return [(rid, why) for rid in self._step.ids[: len(first)]], first.float()
+
+    def commit(self) -> None:
+        """The forward went through: every layer keeps the step."""
+        for layer in self.layers:
+            layer.commit()
+        self._entries, self._step, self._before = [], None, None
+
+    def rollback(self) -> None:
+        """The step is undone in every layer it reached: rows are what they were before it."""
+        for layer in self.layers:
+            layer.rollback()
+        if self._before is not None:
+            self.rows, self.order = self._before
+        self._entries, self._step, self._before = [], None, None
 
     def fill_block_table(self, *args: Any) -> None:
         raise RuntimeError("kvmix's paged cache has no block-table path")
@@ -232,6 +326,14 @@ class KVMixPagedCache(PagedAttentionCache):
     def _plan(self) -> Step:
         """The forward's segments: every row's new token (each running request decodes) and
         the prompts of the requests admitted now, which become the next rows."""
+        self._before = dict(self.rows), list(self.order)
+        if self.inject is not None:
+            for request_id, past, _ in self._entries:
+                try:
+                    self.inject(request_id, past)
+                except Exception as error:
+                    raise RequestFault({request_id: f"{type(error).__name__}: {error}"}) \
+                        from error
         positions: list[int | None] = [None] * len(self.order)
         joins, start = [], 0
         for request_id, past, length in self._entries:
@@ -252,7 +354,7 @@ class KVMixPagedCache(PagedAttentionCache):
             self.rows[request_id] = len(self.order)
             self.order.append(request_id)
         decode = torch.tensor(positions, device=self.device) if positions else None
-        return Step(decode, [(at, length) for _, at, length in joins])
+        return Step(decode, [(at, length) for _, at, length in joins], list(self.order))
 
     # -- figures -------------------------------------------------------------------------------
 
@@ -266,7 +368,8 @@ class KVMixPagedCache(PagedAttentionCache):
                 "cache_bytes": nbytes, "cache_peak_bytes": self.peak_nbytes,
                 "cache_held_bytes": nbytes - kinds.get(FREE, 0),
                 "reserved_bytes": self.reserved_bytes() + self.budget.static,
-                "budget_bytes": self.budget.memory}
+                "budget_bytes": self.budget.memory,
+                "kv_usage": 1 - self.compute_free_capacity(relative=True)}
 
 
 def _kind(window: int | None) -> str:
@@ -291,7 +394,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if step.joins:
         spans = [slice(at, at + length) for at, length in step.joins]
         prompts = [tuple(x[:, :, span] for x in (query, keys, values)) for span in spans]
-        for span, o in zip(spans, layer.join(prompts, scaling), strict=True):
+        try:
+            joined = layer.join(prompts, scaling)
+        except RowFault as fault:
+            raise step.blame(fault) from fault
+        for span, o in zip(spans, joined, strict=True):
             out[:, :, span] = o
     return out.transpose(1, 2), None
 
@@ -322,11 +429,12 @@ class KVMixScheduler(FIFOScheduler):
         return super().schedule_batch(token_budget, cache_budget)
 
 
-class KVMixManager(Measured, ContinuousBatchingManager):
+class KVMixManager(Served, ContinuousBatchingManager):
     """transformers' continuous batching (scheduler, request states, streaming, results) with
     kvmix's packed pool as its cache: ``add_request`` / ``get_result`` /
-    ``request_id_iter`` / ``register_result_handler`` as transformers documents them.
-    Greedy decoding (``generate``'s default); no beams, no ``num_return_sequences``."""
+    ``request_id_iter`` / ``register_result_handler`` as transformers documents them, each
+    request with its own ``Sampling`` (greedy by default, as ``generate``) and ``n`` choices
+    that share its prompt's pages. No beams (they stay on ``generate``)."""
 
     def __init__(self, model: Any, method: str | Method, memory: float | str,
                  backend: str = "auto", max_new_tokens: int = 128,
@@ -343,12 +451,13 @@ class KVMixManager(Measured, ContinuousBatchingManager):
         if length is None:
             length = min(512 + max_new_tokens, arch.max_positions or 1 << 30)
         self.budget = Budget(self.method, arch, model.dtype, memory, max_batch_tokens, length)
-        self.stats = Stats()
         config = ContinuousBatchingConfig(
             max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.rows,
             max_blocks_per_request=0, allow_block_sharing=False, use_async_batching=False,
-            use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False)
+            use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False,
+            return_logprobs=True)
         super().__init__(model, greedy(model, max_new_tokens), config)
+        self._serve(model)
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         register()
@@ -356,19 +465,20 @@ class KVMixManager(Measured, ContinuousBatchingManager):
             self._original_attn_impl = model.config._attn_implementation
             model.set_attn_implementation(NAME)
 
-    def refusal(self, prompt: int, new_tokens: int | None) -> str | None:
+    def refusal(self, prompt: int, new_tokens: int | None, n: int = 1) -> str | None:
         """Why such a request can never be served, or None (``Budget.refusal``)."""
-        return self.budget.refusal(prompt, new_tokens)
+        return self.budget.refusal(prompt, new_tokens, n)
 
     def add_request(self, input_ids: list[int], request_id: str | None = None,
-                    max_new_tokens: int | None = None, **kwargs: Any) -> str | None:
-        """transformers' ``add_request``, after refusing a request that can never fit."""
+                    max_new_tokens: int | None = None, *args: Any, n: int = 1,
+                    **kwargs: Any) -> str | None:
+        """``Served.add_request``, after refusing a request that can never fit."""
         new_tokens = self.generation_config.max_new_tokens if max_new_tokens is None \
             else max_new_tokens
-        why = self.refusal(len(input_ids), new_tokens)
+        why = self.refusal(len(input_ids), new_tokens, n)
         if why:
             raise ValueError(why)
-        return super().add_request(input_ids, request_id, new_tokens, **kwargs)
+        return super().add_request(input_ids, request_id, new_tokens, *args, n=n, **kwargs)
 
     @property
     def cache(self) -> KVMixPagedCache | None:
@@ -384,15 +494,14 @@ class KVMixManager(Measured, ContinuousBatchingManager):
         config = self.continuous_batching_config
         update_cb_config_after_cache_creation(config, cache.num_blocks, cache.max_batch_tokens)
         scheduler = KVMixScheduler(cache, 0.0, config.max_requests_per_batch)
-        return ContinuousBatchProcessor(
+        return self._runner(ContinuousBatchProcessor(
             cache=cache, config=self.model.config.get_text_config(),
             generation_config=self.generation_config, continuous_batching_config=config,
             logit_processor=self.logit_processor, input_queue=self.input_queue,
             cancel_queue=self.cancel_queue, output_router=self.output_router,
             background_thread_status=self.background_thread_status,
             model_device=self.model.device, model_dtype=self.model.dtype, scheduler=scheduler,
-            distributed_helper=self.distributed_helper)
-
+            distributed_helper=self.distributed_helper))
 
 
 def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = "kivi2",

@@ -1,238 +1,608 @@
-"""``kvmix serve``: transformers' OpenAI-compatible app, assembled from its serving modules
-(``transformers.cli.serving``: ``build_server``, the completion and chat handlers, the
-continuous-batching generation manager and streamer), with kvmix's continuous batching
-underneath and ``/metrics`` (Prometheus text) beside ``/v1/completions``,
-``/v1/chat/completions`` (streaming or not), ``/v1/models`` and ``/health``.
+"""``kvmix serve``'s OpenAI-compatible app (SPEC §11): ``/v1/completions`` and
+``/v1/chat/completions`` (streamed or not), ``/v1/models``, ``/health`` and ``/metrics``, over a
+started continuous-batching manager (``KVMixManager``, or ``TransformersManager``, the anchor).
 
-What kvmix adds to transformers' handlers: requests are greedy (a sampling, penalty, stop,
-logprob or ``n``/``best_of`` > 1 parameter is refused with 400 naming it, never ignored); a
-request that can never be served (prompt plus ``max_tokens`` beyond the model's positions, the
-budget, or one forward) is refused with 400 naming the limit before it is queued; with
-``max_waiting``, a request beyond that many waiting ones gets 429; malformed JSON gets 400;
-``ignore_eos`` (as vLLM's) generates exactly ``max_tokens`` tokens.
+* **Parameters** are parsed once where they enter (``protocol``): each honoured or refused with
+  a 400 naming it. Sampling, seeds and logprobs are the loop's (``sampling``); stop strings and
+  the text the client sees are each choice's ``ChoiceText``; ``n`` choices and several prompts
+  are the manager's requests, one per prompt, forked per choice.
+* **Ids** are the server's own (``cmpl-...``/``chatcmpl-...``); a client's ``X-Request-ID`` is
+  echoed and logged, never used as a key.
+* **Faults** stay with their request: the loop contains a failed step (``engine``), the request
+  at fault gets a 500 with the cause (a streamed one a last chunk with the error).
+* **Limits and access**: bodies beyond ``max_body`` get 413 before they are read whole;
+  tokenization and chat templates run in a worker thread; a request past ``request_timeout``,
+  or whose client went away, is cancelled and its pages return; with ``api_key``, ``/v1/*``
+  needs ``Authorization: Bearer KEY`` (compared in constant time), ``/health`` and
+  ``/metrics`` stay open.
+* **Drain and death**: ``drain()`` (SIGTERM, SIGINT) answers 503 to new requests and lets
+  running ones finish for up to ``drain_timeout`` seconds, then the server stops (exit 0); if
+  the generation loop dies, the server stops with ``exit_code`` 1 for a supervisor to restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import hmac
+import json
+import logging
 import socket
 import threading
 import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
-from transformers.cli.serving.completion import CompletionHandler
-from transformers.cli.serving.model_manager import ModelManager, TimedModel
-from transformers.cli.serving.server import build_server
-from transformers.cli.serving.utils import CBGenerateManager, GenerationState
-from transformers.utils import logging
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-# transformers' routes this server does not offer (no handler behind them here)
-UNSERVED = {"/v1/responses", "/v1/systemone", "/v1/audio/transcriptions", "/load_model",
-            "/reset"}
-EXTENSIONS = {"ignore_eos"}  # kvmix's own request fields
+from kvmix.serving.engine import child_ids
+from kvmix.serving.metrics import CONTENT_TYPE, Metrics
+from kvmix.serving.protocol import Ask, ParseError, parse
+from kvmix.serving.text import ChoiceText, Delta, Token
+
+LOG = logging.getLogger("kvmix.serve")
+X_REQUEST_ID = "x-request-id"
+POLL = 0.25  # seconds between checks of a waiting request's client, deadline and the server
 
 
-def refused_parameter(body: dict) -> str | None:
-    """The first parameter of ``body`` kvmix serve would not apply, as a message, or None."""
-    checks = {
-        "n": lambda v: v not in (None, 1), "best_of": lambda v: v not in (None, 1),
-        "temperature": lambda v: v not in (None, 0, 0.0),
-        "top_p": lambda v: v not in (None, 1, 1.0), "logprobs": bool, "top_logprobs": bool,
-        "echo": bool, "stop": bool, "logit_bias": bool, "generation_config": bool,
-        "presence_penalty": lambda v: v not in (None, 0, 0.0),
-        "frequency_penalty": lambda v: v not in (None, 0, 0.0)}
-    for name, refused in checks.items():
-        if name in body and refused(body[name]):
-            return (f"{name}={body[name]!r} is not served: kvmix serve decodes greedily, one "
-                    "completion per request (n=1, temperature=0, no penalties, stop strings "
-                    "or logprobs)")
-    return None
+@dataclass
+class Limits:
+    """What the server allows and requires."""
+
+    max_tokens: int = 128  # a request's max_tokens when it sends none
+    max_waiting: int = 0  # 429 beyond this many waiting requests (0: none refused)
+    max_body: int = 4 << 20  # bytes of a request body (413 beyond)
+    request_timeout: float | None = None  # seconds a request may take, waiting included
+    api_key: str | None = None  # /v1/* require "Authorization: Bearer <api_key>"
+    drain_timeout: float = 30.0  # seconds running requests may take after drain()
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_body"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
+        if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) \
+                or self.max_waiting < 0:
+            raise ValueError(f"max_waiting={self.max_waiting!r} is invalid; expected >= 0")
+        for name in ("request_timeout", "drain_timeout"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name}={value!r} is invalid; expected seconds > 0")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key is empty; give a key or none")
 
 
-class Greedy:
-    """A transformers handler mixin: refuse what would be ignored, fill ``max_tokens``."""
+class Refused(Exception):
+    """A request answered with an error status, before or while it runs."""
 
-    default_max_tokens = 128
+    def __init__(self, status: int, message: str, cause: str, kind: str = "server_error"):
+        super().__init__(message)
+        self.status, self.message, self.cause, self.kind = status, message, cause, kind
 
-    def _validate_request(self, body: dict) -> None:
-        why = refused_parameter(body)
-        if why:
-            raise HTTPException(status_code=400, detail=why)
-        if not isinstance(body.get("ignore_eos", False), bool):
-            raise HTTPException(status_code=400, detail="ignore_eos must be true or false")
-        super()._validate_request({k: v for k, v in body.items() if k not in EXTENSIONS})
-        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
-            body["max_tokens"] = self.default_max_tokens
-
-    def _build_generation_config(self, body: dict, model_generation_config: Any,
-                                 use_cb: bool = False) -> Any:
-        config = super()._build_generation_config(body, model_generation_config, use_cb)
-        if body.get("ignore_eos"):
-            config.eos_token_id = -1
-        return config
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": None, "code": self.status}},
+                            self.status, headers=headers)
 
 
-class Completions(Greedy, CompletionHandler):
-    """``/v1/completions``."""
+def bad_request(message: str) -> Refused:
+    return Refused(400, message, "bad_request", "invalid_request_error")
 
 
-class Chat(Greedy, ChatCompletionHandler):
-    """``/v1/chat/completions``."""
+# -- the service: what the routes share ----------------------------------------------------------
 
+class Service:
+    """The manager, tokenizer, limits and metrics of one server, the requests running, and
+    whether it drains or its loop died."""
 
-class Models(ModelManager):
-    """transformers' model manager holding the one model kvmix loaded, never unloaded."""
-
-    def __init__(self, model: Any, tokenizer: Any, name: str):
-        super().__init__(device=str(model.device), model_timeout=-1)
-        self.force_model = name
+    def __init__(self, manager: Any, tokenizer: Any, name: str, limits: Limits):
+        self.manager, self.tokenizer, self.name, self.limits = manager, tokenizer, name, limits
+        self.metrics = Metrics(self.figures, name)
+        self.runs: set[Run] = set()
+        self.draining_since: float | None = None
+        self.exit_code: int | None = None  # set when the server should stop
+        self.stop: Callable[[], None] = lambda: None  # set by ``Server``
         self.created = int(time.time())
-        self.loaded_models[self.process_model_name(name)] = TimedModel(model, -1, tokenizer)
+        self.vocab = len(tokenizer)
+        eos = getattr(manager.generation_config, "eos_token_id", None)
+        self.eos = {e for e in (eos if isinstance(eos, list) else [eos]) if e is not None
+                    and e >= 0}
 
-    @staticmethod
-    def process_model_name(model_id: str) -> str:
-        return model_id  # the name it was loaded by, no hub revision
+    def figures(self) -> dict[str, float]:
+        return self.manager.stats.snapshot()
 
-    def list_models(self, cache_dir: str | None = None) -> list[dict]:
-        return [{"id": self.force_model, "object": "model", "created": self.created,
-                 "owned_by": "kvmix"}]
+    def drain(self) -> None:
+        """Stop admitting (503); running requests go on until ``drain_timeout``."""
+        if self.draining_since is None:
+            self.draining_since = time.monotonic()
+            LOG.warning("draining: %d requests running, new ones refused (up to %.0f s)",
+                        len(self.runs), self.limits.drain_timeout)
+
+    def loop_died(self) -> bool:
+        status = self.manager.background_thread_status
+        return status.fatal_error is not None or not self.manager.is_running()
+
+    async def watch(self) -> None:
+        """Stop the server once a drain is over, or with exit code 1 if the loop died."""
+        while self.exit_code is None:
+            await asyncio.sleep(POLL / 5)
+            if self.loop_died():
+                LOG.error("the generation loop died (%s): stopping with exit code 1",
+                          self.manager.background_thread_status.fatal_error)
+                self._end(1, "the generation loop died")
+            elif self.draining_since is not None and (
+                    not self.runs or time.monotonic() - self.draining_since
+                    > self.limits.drain_timeout):
+                self._end(0, "the server shut down before the request finished")
+
+    def _end(self, code: int, why: str) -> None:
+        for run in list(self.runs):
+            run.abort(Refused(503, why, "draining"))
+        self.exit_code = code
+        self.stop()
+
+    def encode(self, ask: Ask) -> list[list[int]]:
+        """Each prompt's token ids (in a worker thread: a long prompt stalls no one)."""
+        if ask.chat:
+            ids = self.tokenizer.apply_chat_template(ask.prompts[0], add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+            return [list(ids.get("input_ids", ids) if isinstance(ids, dict) else ids)]
+        prompts = []
+        for prompt in ask.prompts:
+            ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else prompt
+            outside = [t for t in ids if t >= self.vocab]
+            if outside:
+                raise bad_request(f"prompt token id {outside[0]} is outside the vocabulary "
+                                  f"[0, {self.vocab})")
+            prompts.append(list(ids))
+        return prompts
+
+    def admit(self, ask: Ask, prompts: list[list[int]], max_tokens: int) -> None:
+        """Refuse what can never be served (400) or, beyond ``max_waiting``, 429."""
+        if ask.model is not None and ask.model != self.name:
+            raise bad_request(f"model={ask.model!r}: the server is pinned to {self.name!r}")
+        if any(t >= self.vocab for t in ask.stop_token_ids):
+            raise bad_request(f"stop_token_ids holds an id outside the vocabulary "
+                              f"[0, {self.vocab})")
+        for prompt in prompts:
+            why = self.manager.refusal(len(prompt), max_tokens, ask.n)
+            if why:
+                raise bad_request(why)
+        waiting = self.figures()["waiting"] + self.manager.input_queue.qsize()
+        limit = self.limits.max_waiting
+        if limit and waiting >= limit:
+            raise Refused(429, f"{waiting:.0f} requests are waiting (max_waiting={limit}): "
+                          "retry later", "overloaded", "rate_limit_error")
 
 
-class Generation(CBGenerateManager):
-    """transformers' continuous-batching generation over a started manager, refusing first a
-    request that can never be served (400) or, beyond ``max_waiting`` waiting, 429."""
+# -- one request --------------------------------------------------------------------------------
 
-    def __init__(self, manager: Any, max_waiting: int = 0):
-        super().__init__()
-        self._cb = manager
-        self.max_waiting = max_waiting
+@dataclass
+class Choice:
+    """One choice of a request: the manager's request id, its text, how it ended."""
 
-    def _admit(self, inputs: dict, config: Any) -> None:
-        why = self._cb.refusal(len(inputs["input_ids"]), config.max_new_tokens)
-        if why:
-            raise HTTPException(status_code=400, detail=why)
-        waiting = self._cb.stats.snapshot()["waiting"] + self._cb.input_queue.qsize()
-        if self.max_waiting and waiting >= self.max_waiting:
-            raise HTTPException(status_code=429, detail=f"{waiting:.0f} requests are waiting "
-                                f"(max_waiting={self.max_waiting}): retry later")
+    index: int
+    request_id: str
+    text: ChoiceText
+    stops: set[int]  # token ids that end it (EOS, stop_token_ids)
+    seen: int = 0  # tokens of the manager's output taken
+    finish: str | None = None
+    error: str | None = None
+    sent_role: bool = False
 
-    def generate_streaming(self, model, processor, inputs, gen_config, request_id,
-                           response_parser=None):
-        self._admit(inputs, gen_config)
-        return super().generate_streaming(model, processor, inputs, gen_config, request_id,
-                                          response_parser)
+    def take(self, output: Any) -> Delta:
+        """The tokens ``output`` (the manager's ``ServedOutput``) adds -> the text released."""
+        tokens = output.generated_tokens
+        new = slice(self.seen, len(tokens))
+        delta = self.text.feed(tokens[new], output.logprobs[new],
+                               getattr(output, "top_logprobs", [])[new])
+        self.seen = len(tokens)
+        if self.text.stopped:
+            self.finish = "stop"
+        elif output.error is not None:
+            self.error = output.error
+        elif output.is_finished():
+            rest = self.text.finish()
+            delta = Delta(delta.text + rest.text, delta.tokens + rest.tokens)
+            self.finish = "stop" if tokens and tokens[-1] in self.stops else "length"
+        return delta
 
-    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
-        self._admit(inputs, gen_config)
-        return await super().generate_non_streaming(model, processor, inputs, gen_config,
-                                                    request_id)
-
-    def stop(self) -> None:
-        self._cb.stop(block=True, timeout=10)
-
-
-class State(GenerationState):
-    """Every request through the one generation manager."""
-
-    def __init__(self, generation: Generation):
-        super().__init__(continuous_batching=True)
-        self.generation = generation
-
-    def use_continuous_batching(self, model: Any, modality: Any) -> bool:
-        return True
-
-    def get_manager(self, model_id: str, use_cb: bool = False) -> Generation:
-        return self.generation
-
-    def shutdown(self) -> None:
-        self.generation.stop()
-
-    def is_cb_alive(self) -> bool:
-        return self.generation.is_alive()
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.error is not None
 
 
-def build_app(manager: Any, tokenizer: Any, name: str, max_tokens: int = 128,
-              max_waiting: int = 0) -> FastAPI:
+class Run:
+    """One HTTP request on the manager: its choices (``n`` per prompt) submitted together,
+    read as their outputs arrive, cancelled together when it ends early."""
+
+    def __init__(self, service: Service, ask: Ask, prompts: list[list[int]], max_tokens: int,
+                 client_id: str | None):
+        self.service, self.ask, self.prompts = service, ask, prompts
+        self.id = f"{'chatcmpl' if ask.chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.client_id = client_id
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.queue: asyncio.Queue = asyncio.Queue()
+        stops = set() if ask.ignore_eos else set(service.eos)
+        stops |= set(ask.stop_token_ids)
+        self.stops = stops
+        logprobs = ask.sampling.logprobs is not None
+        self.choices = [
+            Choice(i * ask.n + j, rid, ChoiceText(service.tokenizer, ask.stop, logprobs), stops)
+            for i in range(len(prompts))
+            for j, rid in enumerate(self._ids(i))]
+        self.max_tokens = max_tokens
+        self.submitted = False
+
+    def _ids(self, prompt: int) -> list[str]:
+        parent = f"{self.id}-{prompt}"
+        return [parent, *child_ids(parent, self.ask.n)]
+
+    def submit(self) -> None:
+        """Every prompt to the manager (its n choices fork from it), each choice's outputs
+        routed to this run."""
+        manager = self.service.manager
+        for choice in self.choices:
+            manager.register_result_handler(
+                choice.request_id, lambda output, c=choice: self.queue.put_nowait((c, output)))
+        self.service.runs.add(self)
+        for i, prompt in enumerate(self.prompts):
+            added = manager.add_request(
+                prompt, request_id=self._ids(i)[0], max_new_tokens=self.max_tokens,
+                streaming=True, eos_token_id=sorted(self.stops) or -1,
+                sampling=self.ask.sampling, n=self.ask.n)
+            if added is None:
+                raise Refused(503, "the server is not taking requests", "draining")
+        self.submitted = True
+
+    def abort(self, refusal: Refused) -> None:
+        self.queue.put_nowait((None, refusal))
+
+    async def events(self, request: Request | None) -> AsyncIterator[tuple[Choice, Delta]]:
+        """(choice, what it adds) as outputs arrive, until every choice is done; ``Refused``
+        for a fault (500), the deadline (504), a drain or a gone client (checked every
+        ``POLL`` seconds, outputs arriving or not)."""
+        check = time.monotonic() + POLL
+        while not all(c.done for c in self.choices):
+            now = time.monotonic()
+            if now >= check:
+                await self._check(request)
+                check = now + POLL
+            try:
+                choice, output = await asyncio.wait_for(self.queue.get(), check - now)
+            except asyncio.TimeoutError:
+                continue
+            if choice is None:
+                raise output
+            if choice.done:
+                continue
+            delta = choice.take(output)
+            if choice.error is not None:
+                raise Refused(500, f"generation failed: {choice.error}", "fault")
+            if delta.text and self.first is None:
+                self.first = time.monotonic() - self.start
+            if choice.done:
+                self._release(choice, cancel=choice.text.stopped)
+            yield choice, delta
+
+    async def _check(self, request: Request | None) -> None:
+        timeout = self.service.limits.request_timeout
+        if timeout is not None and time.monotonic() - self.start > timeout:
+            raise Refused(504, f"the request passed its deadline of {timeout:g} s "
+                          "(request_timeout)", "timeout")
+        if request is not None and await request.is_disconnected():
+            raise Refused(499, "the client went away", "disconnected")
+
+    def _release(self, choice: Choice, cancel: bool) -> None:
+        """A choice ended here (a stop string) or in the manager: its handler goes, and the
+        manager's request is cancelled when it still runs (its pages return)."""
+        manager = self.service.manager
+        with manager.output_router._lock:
+            manager.output_router.result_handlers.pop(choice.request_id, None)
+        if cancel:
+            manager.cancel_request(choice.request_id)
+
+    def close(self) -> None:
+        """Whatever still runs is cancelled."""
+        for choice in self.choices:
+            if not choice.done:
+                choice.error = choice.error or "cancelled"
+                self._release(choice, cancel=self.submitted)
+        self.service.runs.discard(self)
+
+    def usage(self) -> dict[str, int]:
+        prompt = sum(len(p) for p in self.prompts)
+        output = sum(c.text.count for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": output,
+                "total_tokens": prompt + output}
+
+    def record(self) -> None:
+        usage = self.usage()
+        self.service.metrics.succeeded([c.finish for c in self.choices],
+                                       usage["prompt_tokens"], usage["completion_tokens"],
+                                       time.monotonic() - self.start, self.first)
+        LOG.info("%s (x-request-id %s): %d choices, %d + %d tokens, %.2f s", self.id,
+                 self.client_id, len(self.choices), usage["prompt_tokens"],
+                 usage["completion_tokens"], time.monotonic() - self.start)
+
+    # -- the answer, whole or streamed --------------------------------------------------------
+
+    def envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = ("chat.completion" if self.ask.chat else "text_completion") + \
+            (".chunk" if chunk and self.ask.chat else "")
+        return {"id": self.id, "object": kind, "created": self.service.created,
+                "model": self.service.name}
+
+    async def whole(self, request: Request) -> JSONResponse:
+        texts: dict[int, list[Delta]] = {c.index: [] for c in self.choices}
+        async for choice, delta in self.events(request):
+            texts[choice.index].append(delta)
+        choices = []
+        for choice in self.choices:
+            deltas = texts[choice.index]
+            text = "".join(d.text for d in deltas)
+            tokens = [t for d in deltas for t in d.tokens]
+            body = {"index": choice.index, "logprobs": self._logprobs(tokens),
+                    "finish_reason": choice.finish}
+            if self.ask.chat:
+                body["message"] = {"role": "assistant", "content": text}
+            else:
+                body["text"] = text
+            choices.append(body)
+        self.record()
+        return JSONResponse({**self.envelope(False), "choices": choices, "usage": self.usage()})
+
+    async def stream(self) -> AsyncIterator[str]:
+        async for choice, delta in self.events(None):
+            if self.ask.chat and not choice.sent_role:
+                choice.sent_role = True
+                yield _sse(self._chunk(choice, {"role": "assistant", "content": ""}, None))
+            if delta.text or delta.tokens:
+                part = {"content": delta.text} if self.ask.chat else delta.text
+                yield _sse(self._chunk(choice, part, self._logprobs(delta.tokens)))
+            if choice.done:
+                yield _sse(self._chunk(choice, {} if self.ask.chat else "", None, choice.finish))
+        if self.ask.include_usage:
+            yield _sse({**self.envelope(True), "choices": [], "usage": self.usage()})
+        self.record()
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, choice: Choice, part: Any, logprobs: Any,
+               finish: str | None = None) -> dict[str, Any]:
+        body = {"index": choice.index, "logprobs": logprobs, "finish_reason": finish}
+        body["delta" if self.ask.chat else "text"] = part
+        return {**self.envelope(True), "choices": [body]}
+
+    def _logprobs(self, tokens: list[Token]) -> dict[str, Any] | None:
+        """The tokens' log-probabilities in the endpoint's format, or None when not asked."""
+        if self.ask.sampling.logprobs is None:
+            return None
+        if self.ask.chat:
+            return {"content": [{"token": t.text, "logprob": t.logprob,
+                                 "bytes": list(t.text.encode()),
+                                 "top_logprobs": [{"token": s, "logprob": lp,
+                                                   "bytes": list(s.encode())}
+                                                  for s, lp in t.top]} for t in tokens]}
+        return {"tokens": [t.text for t in tokens],
+                "token_logprobs": [t.logprob for t in tokens],
+                "top_logprobs": [dict(t.top) for t in tokens],
+                "text_offset": [t.start for t in tokens]}
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+def build_app(manager: Any, tokenizer: Any, name: str, limits: Limits | None = None
+              ) -> FastAPI:
     """The app over ``manager`` (a started ``KVMixManager`` or ``TransformersManager``)."""
-    for handler in ("completion", "chat_completion"):  # a warning line per request
-        logging.get_logger(f"transformers.cli.serving.{handler}").setLevel(logging.ERROR)
-    models = Models(manager.model, tokenizer, name)
-    state = State(Generation(manager, max_waiting))
-    handlers = [cls(model_manager=models, generation_state=state) for cls in (Chat,
-                                                                             Completions)]
-    for handler in handlers:
-        handler.default_max_tokens = max_tokens
-    app = build_server(models, handlers[0], handlers[1], None, None, None, state)
-    app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") not in UNSERVED]
+    service = Service(manager, tokenizer, name, limits or Limits())
 
-    @app.exception_handler(RequestValidationError)
-    async def malformed(_request: Request, error: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"error": f"malformed request body: {error.errors()[:1]}"}, 400)
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        watcher = asyncio.create_task(service.watch())
+        yield
+        watcher.cancel()
+
+    app = FastAPI(lifespan=lifespan)
+    app.state.service = service
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _answer(service, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _answer(service, request, chat=True)
+
+    @app.get("/v1/models")
+    def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": service.created, "owned_by": "kvmix"}]})
+
+    @app.get("/health")
+    def health() -> JSONResponse:
+        if service.loop_died():
+            return JSONResponse({"status": "unhealthy", "reason": "the loop died"}, 503)
+        if service.draining_since is not None:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
-    def metrics() -> PlainTextResponse:
-        return PlainTextResponse(prometheus(manager.stats.snapshot(), name),
-                                 media_type="text/plain; version=0.0.4")
+    def metrics() -> Response:
+        return Response(service.metrics.exposition(), media_type=CONTENT_TYPE)
 
-    return app
-
-
-METRICS = {  # snapshot key -> (metric, type, help)
-    "running": ("kvmix_requests_running", "gauge", "requests decoding now"),
-    "waiting": ("kvmix_requests_waiting", "gauge", "requests admitted to the queue, not running"),
-    "pages_used": ("kvmix_pages_used", "gauge", "cache pages in use, every layer"),
-    "pages_free": ("kvmix_pages_free", "gauge", "cache pages held free, every layer"),
-    "cache_bytes": ("kvmix_cache_bytes", "gauge", "bytes of every storage the cache keeps"),
-    "cache_held_bytes": ("kvmix_cache_held_bytes", "gauge", "of those, bytes holding tokens"),
-    "cache_peak_bytes": ("kvmix_cache_peak_bytes", "gauge", "the most cache_bytes has been"),
-    "reserved_bytes": ("kvmix_cache_reserved_bytes", "gauge", "bytes admitted requests reserve"),
-    "budget_bytes": ("kvmix_cache_budget_bytes", "gauge", "the memory budget"),
-    "tokens_per_second": ("kvmix_decode_tokens_per_second", "gauge",
-                          "output tokens per second over the last 10 s"),
-    "output_tokens": ("kvmix_output_tokens_total", "counter", "output tokens generated"),
-    "steps": ("kvmix_steps_total", "counter", "forwards of the generation loop"),
-}
+    return Gate(app, service)
 
 
-def prometheus(values: dict[str, float], model: str) -> str:
-    """Prometheus text exposition of a ``Stats`` snapshot."""
-    lines = []
-    for key, (metric, kind, text) in METRICS.items():
-        if key in values:
-            lines += [f"# HELP {metric} {text}", f"# TYPE {metric} {kind}",
-                      f'{metric}{{model="{model}"}} {values[key]:.6g}']
-    name = "kvmix_time_to_first_token_seconds"
-    lines += [f"# HELP {name} seconds from a request's arrival to its first token",
-              f"# TYPE {name} summary",
-              f'{name}_sum{{model="{model}"}} {values["ttft_sum"]:.6g}',
-              f'{name}_count{{model="{model}"}} {values["ttft_count"]:.0f}']
-    return "\n".join(lines) + "\n"
+async def _answer(service: Service, request: Request, chat: bool) -> Response:
+    """A completion or chat request from its body to its answer."""
+    client_id = request.headers.get(X_REQUEST_ID)
+    run, streaming = None, False
+    try:
+        try:
+            body = json.loads(await request.body())
+        except ValueError:
+            raise bad_request("the request body is not valid JSON") from None
+        try:
+            ask = parse(body, chat)
+        except ParseError as error:
+            raise bad_request(str(error)) from None
+        prompts = await asyncio.to_thread(_encode, service, ask)
+        max_tokens = ask.max_tokens or service.limits.max_tokens
+        service.admit(ask, prompts, max_tokens)
+        run = Run(service, ask, prompts, max_tokens, client_id)
+        run.submit()
+        if ask.stream:
+            streaming = True  # the stream closes the run
+            return StreamingResponse(_streamed(run), media_type="text/event-stream",
+                                     headers={X_REQUEST_ID: client_id or run.id})
+        response = await run.whole(request)
+        response.headers[X_REQUEST_ID] = client_id or run.id
+        return response
+    except Refused as refusal:
+        service.metrics.failure(refusal.cause)
+        LOG.info("%s (x-request-id %s): %d %s", run.id if run else "-", client_id,
+                 refusal.status, refusal.message)
+        return refusal.response({X_REQUEST_ID: client_id or (run.id if run else "")})
+    finally:
+        if run is not None and not streaming:
+            run.close()
 
+
+def _encode(service: Service, ask: Ask) -> list[list[int]]:
+    try:
+        return service.encode(ask)
+    except Refused:
+        raise
+    except Exception as error:  # a chat template or tokenizer that refuses the input
+        raise bad_request(f"the prompt cannot be tokenized: {type(error).__name__}: "
+                          f"{error}") from None
+
+
+async def _streamed(run: Run) -> AsyncIterator[str]:
+    """A run's chunks; a refusal while it runs is its last chunk (then [DONE])."""
+    try:
+        async for chunk in run.stream():
+            yield chunk
+    except Refused as refusal:
+        run.service.metrics.failure(refusal.cause)
+        LOG.info("%s (x-request-id %s): %s", run.id, run.client_id, refusal.message)
+        yield _sse({"error": {"message": refusal.message, "type": refusal.kind,
+                              "param": None, "code": refusal.status}})
+        yield "data: [DONE]\n\n"
+    finally:
+        run.close()
+
+
+class Gate:
+    """ASGI middleware in front of the app: ``/v1/*`` refused while draining (503) or without
+    the API key (401); bodies beyond ``max_body`` refused (413) before they are read whole."""
+
+    def __init__(self, app: FastAPI, service: Service):
+        self.app, self.service = app, service
+
+    @property
+    def state(self) -> Any:
+        return self.app.state
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        refusal = self._refusal(dict(scope["headers"]))
+        if refusal is None and scope["method"] == "POST":
+            body, refusal = await self._body(receive, dict(scope["headers"]))
+            if refusal is None:
+                receive = _replay(body, receive)
+        if refusal is not None:
+            self.service.metrics.failure(refusal.cause)
+            return await refusal.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def _refusal(self, headers: dict[bytes, bytes]) -> Refused | None:
+        key = self.service.limits.api_key
+        if key is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {key}".encode()):
+                return Refused(401, "a valid API key is required: Authorization: Bearer <key>",
+                               "unauthorized", "authentication_error")
+        if self.service.draining_since is not None:
+            return Refused(503, "the server is shutting down: retry on another replica",
+                           "draining")
+        return None
+
+    async def _body(self, receive: Callable, headers: dict[bytes, bytes]
+                    ) -> tuple[bytes, Refused | None]:
+        limit = self.service.limits.max_body
+        too_large = Refused(413, f"the request body exceeds max_body={limit} bytes",
+                            "too_large", "invalid_request_error")
+        declared = headers.get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            return b"", too_large
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return b"", Refused(499, "the client went away", "disconnected")
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return b"", too_large
+            if not message.get("more_body"):
+                return b"".join(chunks), None
+
+
+def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
+    """A ``receive`` that gives the body read already, then the client's own messages."""
+    sent = False
+
+    async def replayed() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
+
+
+# -- the process --------------------------------------------------------------------------------
 
 class Server:
-    """The app on ``host:port`` in a thread of this process (``start``/``stop``), or in the
-    foreground (``run``); ``port=0`` takes a free port, readable as ``port`` once started."""
+    """The app on ``host:port``, in the foreground (``run``: SIGTERM/SIGINT drain, then exit
+    with the service's exit code) or in a thread of this process (``start``/``stop``);
+    ``port=0`` takes a free port, readable as ``port`` once bound."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000):
-        import uvicorn
-
+    def __init__(self, app: Gate, host: str = "127.0.0.1", port: int = 8000):
+        self.service: Service = app.state.service
         self.socket = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.socket.bind((host, port))  # the port is taken (or refused) before any serving
         self.host, self.port = host, self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5)
+        self.server = _Draining(config, self.service)
+        self.service.stop = self._exit
         self.thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
 
-    def run(self) -> None:
+    def _exit(self) -> None:
+        self.server.should_exit = True
+
+    def run(self) -> int:
+        """Serve until drained or the loop dies -> the exit code (0 after a drain)."""
         self.server.run(sockets=[self.socket])
+        return self.service.exit_code or 0
 
     def start(self, timeout: float = 30.0) -> None:
         self.thread = threading.Thread(target=lambda: asyncio.run(
@@ -249,3 +619,17 @@ class Server:
         if self.thread is not None:
             self.thread.join(timeout)
         self.socket.close()
+
+
+class _Draining(uvicorn.Server):
+    """uvicorn's server whose exit signals drain the service first (a second one exits)."""
+
+    def __init__(self, config: uvicorn.Config, service: Service):
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.service.draining_since is None:
+            self.service.drain()
+        else:
+            super().handle_exit(sig, frame)

@@ -18,7 +18,8 @@ class Stats:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()  # (end of a step, tokens it output)
         self.values: dict[str, float] = {"running": 0, "waiting": 0, "steps": 0,
-                                         "output_tokens": 0, "ttft_sum": 0.0, "ttft_count": 0}
+                                         "output_tokens": 0, "ttft_sum": 0.0, "ttft_count": 0,
+                                         "faulted_steps": 0, "faulted_requests": 0}
 
     def record(self, processor: Any) -> None:
         """One forward of ``processor`` (a ContinuousBatchProcessor) just ran."""
@@ -35,6 +36,12 @@ class Stats:
             v["output_tokens"] += len(states)
             v["ttft_sum"] += sum(firsts)
             v["ttft_count"] += len(firsts)
+
+    def count_faults(self, requests: int) -> None:
+        """A step was contained, failing ``requests`` requests."""
+        with self._lock:
+            self.values["faulted_steps"] += 1
+            self.values["faulted_requests"] += requests
 
     def refresh(self, processor: Any) -> None:
         """The gauges after a turn of the loop: requests running and waiting, the cache."""
@@ -64,5 +71,6 @@ def cache_figures(cache: Any) -> dict[str, float]:
     free = cache.compute_free_capacity(relative=True)
     blocks = cache.num_blocks
     return {"pages_used": round(blocks * (1 - free)), "pages_free": round(blocks * free),
+            "kv_usage": 1 - free,
             "cache_bytes": total, "cache_held_bytes": total * (1 - free),
             "cache_peak_bytes": total}

@@ -1,0 +1,217 @@
+"""Per-request sampling on transformers' continuous batching (SPEC §11).
+
+Each request carries its ``Sampling``: temperature, top-k and top-p are applied through
+transformers' per-request logits processors (``cb_logits_processors``: one set built with
+neutral defaults, each request's values in its ``logit_processor_kwargs``), only to the rows
+that sample; a greedy row (temperature 0) takes the arg-max of the model's own logits. Every
+request draws from its own random generator, so a seeded request picks the same tokens whatever
+runs beside it. The log-probability of each chosen token, and the most likely alternatives when
+a request asks, come from the same logits that chose it (the model's distribution, before
+temperature and filtering, as vLLM reports them by default).
+
+The seam is ``ModelRunner._sample`` (``ServedRunner``), which transformers calls with the
+logits of every row that gets a token, in batch order; before it picks anything it validates the
+step (``RequestFault`` names the requests at fault).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import (
+    FutureRequestState,
+    GenerationOutput,
+    RequestState,
+)
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+MAX_LOGPROBS = 20  # alternatives per token (chat's top_logprobs; completions take 5)
+
+
+class RequestFault(Exception):
+    """A step failed because of some of its requests: ``causes`` maps each request id at
+    fault to why (the step's other requests are not in question)."""
+
+    def __init__(self, causes: dict[str, str]):
+        super().__init__("; ".join(f"{rid}: {why}" for rid, why in causes.items()))
+        self.causes = causes
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How one request picks its tokens (the meaning of vLLM's ``SamplingParams``)."""
+
+    temperature: float = 0.0  # 0: greedy (the arg-max), as ``generate`` without sampling
+    top_p: float = 1.0  # the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # the k most likely tokens; 0: every token
+    seed: int | None = None  # the request's own generator; None: a random seed
+    logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+
+    def __post_init__(self):
+        checks = (("temperature", self.temperature, 0.0, 100.0),
+                  ("top_p", self.top_p, 0.0, 1.0), ("top_k", self.top_k, 0, 1 << 31),
+                  ("logprobs", 0 if self.logprobs is None else self.logprobs, 0, MAX_LOGPROBS),
+                  ("seed", 0 if self.seed is None else self.seed, -(1 << 63), (1 << 64) - 1))
+        for name, value, low, high in checks:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not low <= value <= high or (name == "top_p" and value == 0):
+                bounds = "(0, 1]" if name == "top_p" else f"[{low}, {high}]"
+                raise ValueError(f"{name}={value!r} is invalid; expected a number in {bounds}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """The request's values for transformers' per-request processors (none when greedy;
+        a filter left at its neutral value is not applied)."""
+        if self.greedy:
+            return {}
+        kwargs: dict[str, Any] = {"temperature": float(self.temperature)}
+        if self.top_k:
+            kwargs["top_k"] = int(self.top_k)
+        if self.top_p < 1:
+            kwargs["top_p"] = float(self.top_p)
+        return kwargs
+
+    def generator(self, device: torch.device, sample: int = 0) -> torch.Generator:
+        """The generator of the request's ``sample``-th choice: seeded from (seed, sample) when
+        the request has a seed, else from the system's entropy."""
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(random.Random(f"{self.seed}:{sample}").getrandbits(63))
+        return generator
+
+
+@dataclass
+class ServedOutput(GenerationOutput):
+    """transformers' output of a request, with the alternatives of each token it chose."""
+
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class ServedRequest(RequestState):
+    """transformers' request state, with how it samples: its ``Sampling``, its generator
+    (a fork, one of ``n`` choices, gets its own) and, when it asked for logprobs, the most
+    likely alternatives of each token it chose."""
+
+    sampling: Sampling = field(default_factory=Sampling)
+    generator: torch.Generator | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    forks: int = 0
+
+    def to_generation_output(self) -> ServedOutput:
+        output = super().to_generation_output()
+        return ServedOutput(**vars(output), top_logprobs=list(self.top_logprobs))
+
+    def fork(self, new_request_id: str) -> ServedRequest:
+        """A choice of the same prompt (transformers forks after the prompt's prefill): the
+        same state, its own generator."""
+        generator, self.generator = self.generator, None
+        try:
+            child = super().fork(new_request_id)
+        finally:
+            self.generator = generator
+        self.forks += 1
+        if generator is not None:
+            child.generator = self.sampling.generator(generator.device, self.forks)
+        return child
+
+
+def sampling_processors(vocab: int) -> ContinuousBatchingLogitsProcessorList:
+    """transformers' per-request temperature, top-k and top-p processors with neutral
+    defaults. transformers does not apply them itself (``do_processing`` off): ``ServedRunner``
+    applies them to the rows that sample, keeping every row's own logits for its logprobs."""
+    processors = ContinuousBatchingLogitsProcessorList(LogitsProcessorList(
+        [TemperatureLogitsWarper(1.0), TopKLogitsWarper(vocab), TopPLogitsWarper(1.0)]),
+        per_request_processors=True)
+    processors.do_processing = False
+    return processors
+
+
+class ServedRunner(ModelRunner):
+    """transformers' model runner, picking each row's token by its request's ``Sampling``."""
+
+    def _sample(self, scores: torch.Tensor, output_ids: torch.Tensor) -> None:
+        """scores: [1, N, V] float32 logits of the N rows with a new token, in batch order ->
+        output_ids[0, :N] the tokens, output_ids[1, :N] their log-probabilities."""
+        futures = [f for f in self.inputs_and_outputs.requests_in_batch if f.has_new_token]
+        logits = scores[0, : len(futures)]  # [N, V] (rows beyond are no request's)
+        self._validate(logits, futures)
+        states: list[ServedRequest] = [f.state for f in futures]
+        tokens = logits.argmax(-1)  # [N]
+        sampled = [i for i, s in enumerate(states) if not _sampling(s).greedy]
+        if sampled:
+            tokens[sampled] = self._draw(logits[sampled], [futures[i] for i in sampled])
+        output_ids[0, : len(states)].copy_(tokens)
+        if self.return_logprobs:
+            chosen = _logprobs(logits, tokens, states)  # [N]
+            output_ids[1, : len(states)].copy_(chosen.view(dtype=torch.int32))
+
+    def _validate(self, logits: torch.Tensor, futures: list[FutureRequestState]) -> None:
+        """Raise a ``RequestFault`` naming the requests whose logits are not finite, or whose
+        new keys or values the cache refuses (one host read for both)."""
+        finite = torch.isfinite(logits).all(-1)  # [N]
+        ids = [f.state.request_id for f in futures]
+        step = getattr(self.cache, "step_faults", None)
+        cached, verdicts = ([], None) if step is None else step()
+        flags = finite.tolist() if verdicts is None else \
+            torch.cat([finite.float(), verdicts]).tolist()
+        causes = {rid: "non-finite logits" for rid, ok in zip(ids, flags[: len(ids)],
+                                                                strict=True) if not ok}
+        for (rid, why), layer in zip(cached, flags[len(ids):], strict=True):
+            if layer >= 0:
+                causes[rid] = why.format(layer=int(layer))
+        if causes:
+            raise RequestFault(causes)
+
+    def _draw(self, logits: torch.Tensor, futures: list[FutureRequestState]) -> torch.Tensor:
+        """Sampled rows' tokens: [S, V] logits through the per-request processors, one uniform
+        draw per row from its own generator, inverted through the row's distribution -> [S]."""
+        for processor in self.logit_processor.logits_processor:
+            args = processor.prepare_tensor_args(futures).to(logits.device)
+            logits = processor(logits, args)
+        cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # [S, V]
+        draws = torch.stack([torch.rand((), generator=f.state.generator, device=logits.device)
+                             for f in futures])  # [S]
+        picked = torch.searchsorted(cdf, (draws * cdf[:, -1])[:, None], right=True)[:, 0]
+        return picked.clamp(max=logits.shape[-1] - 1)
+
+
+def _sampling(state: RequestState) -> Sampling:
+    return getattr(state, "sampling", None) or Sampling()
+
+
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+              states: list[RequestState]) -> torch.Tensor:
+    """Log-probabilities of the chosen ``tokens`` [N] under the rows' own logits [N, V] (0 for
+    rows that did not ask), and each asking row's top alternatives, kept on its state."""
+    chosen = torch.zeros(len(states), dtype=torch.float32, device=logits.device)
+    asking = [i for i, s in enumerate(states) if _sampling(s).logprobs is not None]
+    if not asking:
+        return chosen
+    logp = torch.log_softmax(logits[asking], dim=-1)  # [A, V]
+    chosen[asking] = logp.gather(1, tokens[asking][:, None])[:, 0]
+    most = max(_sampling(states[i]).logprobs for i in asking)
+    if most:
+        values, ids = logp.topk(most, dim=-1)
+        for row, i in enumerate(asking):
+            k = _sampling(states[i]).logprobs
+            states[i].top_logprobs.append(list(zip(ids[row, :k].tolist(),
+                                                   values[row, :k].tolist(), strict=True)))
+    return chosen

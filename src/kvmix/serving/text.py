@@ -1,0 +1,105 @@
+"""One choice's text as its tokens arrive (SPEC §11): incremental detokenization (the tokenizer's
+own ``DecodeStream``, special tokens skipped), stop strings — the text ends before the first
+one found and never shows part of one, so text that could begin a stop string is held back
+until the next tokens tell — and the log-probability entries of the tokens whose text is
+released."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+
+
+@dataclass
+class Token:
+    """One generated token as a client sees it: its text (empty while it completes a
+    character with the next), its log-probability and the most likely alternatives."""
+
+    id: int
+    text: str
+    logprob: float | None = None
+    top: list[tuple[str, float]] = field(default_factory=list)
+    start: int = 0  # where its text begins in the choice's text
+
+
+@dataclass
+class Delta:
+    """What a choice adds: text and the tokens it came from."""
+
+    text: str = ""
+    tokens: list[Token] = field(default_factory=list)
+
+
+class ChoiceText:
+    """A choice's text, token by token; ``stopped`` once a stop string ended it (the text
+    excludes it), ``count`` the tokens it consumed (the one that completed a stop string
+    included)."""
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), logprobs: bool = False):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.logprobs = logprobs
+        self.stream = DecodeStream([], skip_special_tokens=True)
+        self.text = ""
+        self.tokens: list[Token] = []
+        self.sent = 0  # characters released
+        self.sent_tokens = 0
+        self.stopped = False
+
+    @property
+    def count(self) -> int:
+        return len(self.tokens)
+
+    def feed(self, ids: list[int], logprobs: list[float] | None = None,
+             tops: list[list[tuple[int, float]]] | None = None) -> Delta:
+        """New tokens (with their log-probabilities and alternatives when asked) -> what can be
+        released; nothing more once a stop string matched."""
+        for i, token_id in enumerate(ids):
+            if self.stopped:
+                break
+            piece = self.stream.step(self.tokenizer._tokenizer, token_id) or ""
+            token = Token(token_id, piece, start=len(self.text))
+            if self.logprobs:
+                token.logprob = logprobs[i] if logprobs else None
+                token.top = [(self.tokenizer.decode([alt]), lp) for alt, lp in
+                             (tops[i] if tops else [])]
+            self.tokens.append(token)
+            self.text += piece
+            self._find_stop(token.start)
+        if self.stopped:
+            return self._release(len(self.text))
+        return self._release(len(self.text) - self._held())
+
+    def finish(self) -> Delta:
+        """The choice ended without a stop string: everything held is released."""
+        return self._release(len(self.text))
+
+    def _find_stop(self, since: int) -> None:
+        """Cut the text at the first stop string that the newest piece completes."""
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(since - longest + 1, 0)
+        found = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            self.stopped = True
+
+    def _held(self) -> int:
+        """Characters at the end of the text that could begin a stop string."""
+        return max((k for s in self.stop for k in range(len(s) - 1, 0, -1)
+                    if self.text.endswith(s[:k])), default=0)
+
+    def _release(self, end: int) -> Delta:
+        """Text up to ``end`` and the tokens whose text it holds whole (once a stop string cut
+        the text: every token that begins before the cut)."""
+        end = max(end, self.sent)
+        delta = Delta(self.text[self.sent : end])
+        self.sent = end
+        for token in self.tokens[self.sent_tokens :]:
+            whole = token.start < end if self.stopped else token.start + len(token.text) <= end
+            if not whole:
+                break
+            delta.tokens.append(token)
+            self.sent_tokens += 1
+        return delta
