@@ -6,6 +6,8 @@ to the pool when requests end; what can never be served is refused before any wo
 from __future__ import annotations
 
 import itertools
+import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,7 +16,9 @@ from helpers import method_string
 from transformers import MistralConfig, MistralForCausalLM
 
 import kvmix
+from kvmix.runtime.store import sealed_groups
 from kvmix.serving.paged import KVMixManager, KVMixPagedCache, generate_batch
+from kvmix.serving.sampling import Sampling
 
 LENGTHS = (20, 37, 51, 5, 70, 33)
 NEW = 40
@@ -185,3 +189,211 @@ def test_the_default_model_serves_eight_requests_as_generate_does_alone(real_mod
             solo = model.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
                                   cache=kvmix.make_cache(model, "pnmix1"))
         assert tokens == solo[0, len(prompt):].tolist()
+
+
+# -- sampling, choices, faults --------------------------------------------------------------------
+
+def run_requests(manager, requests: list[dict], timeout: float = 120) -> dict:
+    """Each request (``add_request``'s arguments) through a started manager -> every choice's
+    output by request id."""
+    manager.start()
+    try:
+        expected = sum(r.get("n", 1) for r in requests)
+        for r in requests:
+            manager.add_request(**r)
+        results, deadline = {}, time.monotonic() + timeout
+        while len(results) < expected:
+            assert time.monotonic() < deadline, f"only {len(results)} of {expected} finished"
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    return results
+
+
+def assert_nothing_held(manager) -> None:
+    cache = manager.batch_processor.cache if manager.batch_processor else manager.cache
+    if cache is None:
+        return
+    for layer in cache.layers:
+        assert layer.pool.used == 0 and layer.store.batch == 0
+    assert not cache.reserved and cache.rows_reserved == 0 and not cache.order
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_runs_beside_it(model):
+    """temperature, top-k and top-p with a seed: the same tokens alone and beside four other
+    requests (greedy and sampled); another seed draws other tokens."""
+    method = method_string("kivi2")
+    sampling = Sampling(temperature=0.9, top_p=0.95, top_k=40, seed=11)
+    asked = {"input_ids": prompts()[1], "max_new_tokens": NEW, "eos_token_id": -1}
+
+    def served(others: list[dict], seed: int = 11) -> list[int]:
+        manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+        mine = {**asked, "request_id": "mine", "sampling": replace(sampling, seed=seed)}
+        return run_requests(manager, [*others, mine])["mine"].generated_tokens
+
+    beside = [{"input_ids": p, "request_id": f"o{i}", "sampling": Sampling(temperature=1.0)
+               if i % 2 else None} for i, p in enumerate(prompts()[2:])]
+    alone_tokens = served([])
+    assert served(beside) == alone_tokens and len(alone_tokens) == NEW
+    assert served([], seed=12) != alone_tokens
+
+
+def test_sampling_goes_through_the_per_request_processors(model):
+    """top_k=1 (or a tiny top_p) leaves one token to draw: the greedy one, as generate's."""
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    results = run_requests(manager, [
+        {"input_ids": prompts()[0], "request_id": "k", "sampling": Sampling(1.5, top_k=1)},
+        {"input_ids": prompts()[1], "request_id": "p", "sampling": Sampling(1.5, top_p=1e-6)},
+        {"input_ids": prompts()[2], "request_id": "t", "sampling": Sampling(1e-4)}])
+    for rid, prompt in zip("kpt", prompts()[:3], strict=True):
+        assert results[rid].generated_tokens == alone(model, method, prompt), rid
+
+
+def test_logprobs_come_from_the_logits_that_chose_each_token(model):
+    """Greedy with logprobs=3: each chosen token's log-probability is generate's log-softmax
+    of its logits; the alternatives are the three most likely, the chosen one first."""
+    method = method_string("pnmix1")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    out = run_requests(manager, [{"input_ids": prompts()[4], "request_id": "x",
+                                  "sampling": Sampling(logprobs=3)}])["x"]
+    runner = kvmix.prepare_model(model, method)
+    with torch.no_grad():
+        solo = runner.generate(torch.tensor([prompts()[4]]), max_new_tokens=NEW,
+                               do_sample=False, cache=kvmix.make_cache(runner, method),
+                               output_logits=True, return_dict_in_generate=True)
+    logp = torch.log_softmax(torch.stack(solo.logits)[:, 0].float(), -1)  # [NEW, V]
+    tokens = solo.sequences[0, len(prompts()[4]):]
+    assert out.generated_tokens == tokens.tolist()
+    expected = logp.gather(1, tokens[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+    for i, top in enumerate(out.top_logprobs):
+        assert [t for t, _ in top] == logp[i].topk(3).indices.tolist()
+        assert top[0] == (tokens[i].item(), pytest.approx(expected[i].item(), abs=1e-4))
+
+
+def test_n_choices_share_the_prompt_pages(model, monkeypatch):
+    """n=3: the prompt (less its last token) is prefilled once; the two other choices fork from
+    its row sharing its sealed pages (no page copied, each held three times); admission
+    reserved three rows and the shared pages once; the choices draw different tokens."""
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    seen, fork = {}, KVMixPagedCache.prepare_fork_request
+
+    def forked(cache, state, ids, copies):
+        pool = cache.layers[0].pool
+        seen["before"] = pool.used, cache.rows_reserved, cache.reserved_bytes()
+        out = fork(cache, state, ids, copies)
+        seen["after"] = pool.used, max(pool.refs)
+        return out
+
+    monkeypatch.setattr(KVMixPagedCache, "prepare_fork_request", forked)
+    prompt = prompts((70,))[0]
+    results = run_requests(manager, [{"input_ids": prompt, "request_id": "r", "n": 3,
+                                      "eos_token_id": -1, "sampling": Sampling(1.0, seed=5)}])
+    budget = manager.budget
+    own, shared = budget.reservation(70 + NEW, 70, 3)
+    pages = sealed_groups(budget.method, 69 - budget.method.sink)
+    assert seen["before"] == (pages, 3, pytest.approx(3 * own.nbytes + shared.nbytes))
+    assert seen["after"] == (pages, 3)
+    assert shared.pages[0] == pages and own.nbytes < budget.footprint(70 + NEW)
+    assert sorted(results) == ["r", "r__child#0", "r__child#1"]
+    outs = [r.generated_tokens for r in results.values()]
+    assert all(len(o) == NEW for o in outs) and len({tuple(o) for o in outs}) == 3
+    assert_nothing_held(manager)
+
+
+def test_an_injected_fault_fails_only_its_request(model):
+    """A hook raises for one request at its 6th decode step: it fails with the cause, the
+    others give what they give alone, and nothing stays held."""
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    target = prompts()[2]
+
+    def inject(request_id: str, tokens: int) -> None:
+        if request_id == "r2" and tokens == len(target) + 5:
+            raise RuntimeError("injected")
+
+    manager.inject = inject
+    results = run_requests(manager, [{"input_ids": p, "request_id": f"r{i}"}
+                                     for i, p in enumerate(prompts())])
+    # its prefill and five decode steps went through: six tokens
+    assert results["r2"].error == "RuntimeError: injected" and \
+        len(results["r2"].generated_tokens) == 6
+    for i, prompt in enumerate(prompts()):
+        if i != 2:
+            assert results[f"r{i}"].error is None
+            assert results[f"r{i}"].generated_tokens == alone(model, method, prompt), i
+    assert manager.stats.snapshot()["faulted_steps"] == 1
+    assert_nothing_held(manager)
+
+
+def poison(manager, request_id: str, tokens: int, at: int = -1) -> None:
+    """NaN into the keys of layer 1 of ``request_id``'s ``at``-th new token in the forward
+    where it holds ``tokens`` tokens."""
+    def hook(module, inputs, output):  # output: [1, T, H * D], the flat batch
+        if manager.batch_processor is None:  # generate on the same model: not served
+            return output
+        start = 0
+        for rid, past, length in manager.batch_processor.cache._entries:
+            if rid == request_id and past == tokens:
+                output[0, start + at % length] = float("nan")
+            start += length
+        return output
+
+    manager.model.model.layers[1].self_attn.k_proj.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize("joining", [False, True])
+def test_non_finite_keys_fail_only_their_request(joining):
+    """NaN written into one request's keys, at a decode step or in its prompt (which joins
+    with others, which wait again): that request fails naming layer 1; the others give what
+    they give alone."""
+    model = tiny_llama(seed=4)  # its own: the hook stays on it
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    target = prompts()[3]
+    poison(manager, "r3", 0 if joining else len(target) + 7, at=2)
+    results = run_requests(manager, [{"input_ids": p, "request_id": f"r{i}"}
+                                     for i, p in enumerate(prompts())])
+    assert "non-finite keys" in results["r3"].error and "layer 1" in results["r3"].error
+    assert len(results["r3"].generated_tokens) == (0 if joining else 8)
+    for i, prompt in enumerate(prompts()):
+        if i != 3:
+            assert results[f"r{i}"].generated_tokens == alone(model, method, prompt), i
+    assert_nothing_held(manager)
+
+
+def test_an_error_no_request_is_named_in_fails_its_step_and_the_loop_goes_on(model,
+                                                                              monkeypatch):
+    """An op raising in the batched decode call: every request of that step fails with the
+    cause; the loop lives, and a request sent afterwards is served as alone."""
+    from kvmix.runtime.layer import KVMixLayer
+
+    calls, decode = [], KVMixLayer.decode
+
+    def failing(layer, *args):
+        calls.append(1)
+        if len(calls) == 9:
+            raise RuntimeError("out of memory (injected)")
+        return decode(layer, *args)
+
+    monkeypatch.setattr(KVMixLayer, "decode", failing)
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    manager.start()
+    try:
+        for i, p in enumerate(prompts()[:3]):
+            manager.add_request(p, request_id=f"r{i}")
+        failed = [manager.get_result(timeout=30) for _ in range(3)]
+        assert all("out of memory (injected)" in r.error for r in failed)
+        manager.add_request(prompts()[4], request_id="after")
+        later = manager.get_result(timeout=30)
+        assert later.error is None and later.generated_tokens == alone(model, method,
+                                                                       prompts()[4])
+        assert manager.is_running()
+    finally:
+        manager.stop(block=True)
+    assert_nothing_held(manager)

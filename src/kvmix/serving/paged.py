@@ -458,6 +458,8 @@ class KVMixManager(Served, ContinuousBatchingManager):
             return_logprobs=True)
         super().__init__(model, greedy(model, max_new_tokens), config)
         self._serve(model)
+        # fault injection (tests, drills), handed to the cache: ``KVMixPagedCache.inject``
+        self.inject: Callable[[str, int], None] | None = None
 
     def switch_to_cb_friendly_attn(self, model: Any, auto_switch_to_flash: bool = True) -> None:
         register()
@@ -491,6 +493,7 @@ class KVMixManager(Served, ContinuousBatchingManager):
             self.batch_processor.reset()
             return self.batch_processor
         cache = KVMixPagedCache(self.model, self.method, self.budget, self.backend)
+        cache.inject = self.inject
         config = self.continuous_batching_config
         update_cb_config_after_cache_creation(config, cache.num_blocks, cache.max_batch_tokens)
         scheduler = KVMixScheduler(cache, 0.0, config.max_requests_per_batch)
