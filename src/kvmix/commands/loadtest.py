@@ -43,7 +43,8 @@ class LoadtestConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
     requests: list[int] = field(default_factory=lambda: [64])  # per level (one: every level)
     prompt: int = 512
-    tokens: int = 128
+    tokens: list[int] = field(default_factory=lambda: [128])  # a request's, in turn
+    temperature: float = 0.0  # 0: greedy
     data: str = "prose"
     backend: str = "auto"
     max_batch_tokens: int = 2048
@@ -62,7 +63,10 @@ def add_parser(commands) -> None:
     parser.add_argument("--concurrency", default="1,8,32")
     parser.add_argument("--requests", default="64", help="per level, or one per level")
     parser.add_argument("--prompt", type=int, default=defaults.prompt, help="prompt tokens")
-    parser.add_argument("--tokens", type=int, default=defaults.tokens, help="output tokens")
+    parser.add_argument("--tokens", default="128",
+                        help="output tokens of each request; several (64,128,256): in turn")
+    parser.add_argument("--temperature", type=float, default=defaults.temperature,
+                        help="sampling temperature of every request (0: greedy)")
     parser.add_argument("--data", default=defaults.data, help="prose, code or a text file")
     parser.add_argument("--backend", default=defaults.backend)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
@@ -82,20 +86,20 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
     for method in [None] if config.url else config.methods:
         with _server(config, method) as url:
             for concurrency, count in zip(config.concurrency, counts, strict=True):
-                outcomes, wall, peaks = asyncio.run(run_level(url, texts[:count],
-                                                              config.tokens, concurrency,
-                                                              config.timeout))
+                outcomes, wall, peaks = asyncio.run(run_level(
+                    url, texts[:count], config.tokens, concurrency, config.timeout,
+                    config.temperature))
                 rows.append({"method": method or config.url, "resolved": _resolved(method),
                              "concurrency": concurrency,
                              **summary(outcomes, wall),
-                             "peak_running": peaks.get("kvmix_requests_running"),
-                             "peak_cache_mb": peaks.get("kvmix_cache_peak_bytes", 0) / 1e6,
+                             "peak_running": peaks.get("kvmix:num_requests_running"),
+                             "peak_cache_mb": peaks.get("kvmix:cache_peak_bytes", 0) / 1e6,
                              "errors": sorted({o.error for o in outcomes if o.error})[:5]})
                 console.print(f"{rows[-1]['method']} · concurrency {concurrency}: "
                               f"{rows[-1]['output_tokens_per_s']:.1f} output tok/s, "
                               f"{rows[-1]['failures']} failed")
     print_table(f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt} + "
-                f"{config.tokens} tokens", rows, COLUMNS)
+                f"{_tokens(config)} tokens · temperature {config.temperature:g}", rows, COLUMNS)
     if config.out:
         _write(config, rows)
     return rows
@@ -120,10 +124,16 @@ def _counts(config: LoadtestConfig) -> list[int]:
         raise ValueError(f"requests={config.requests} must be one count or one per "
                          f"concurrency level ({len(config.concurrency)})")
     for name, values in (("concurrency", config.concurrency), ("requests", counts),
-                         ("prompt", [config.prompt]), ("tokens", [config.tokens])):
-        if any(not isinstance(v, int) or v < 1 for v in values):
+                         ("prompt", [config.prompt]), ("tokens", config.tokens)):
+        if not values or any(not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"{name}={values} is invalid; expected integers >= 1")
+    if not 0 <= config.temperature <= 2:
+        raise ValueError(f"temperature={config.temperature} is invalid; expected 0 to 2")
     return counts
+
+
+def _tokens(config: LoadtestConfig) -> str:
+    return "/".join(map(str, config.tokens))
 
 
 def _version(package: str) -> str | None:
@@ -149,7 +159,7 @@ class _server:
         c = self.config
         command = [sys.executable, "-m", "kvmix.cli", "serve", "--model", c.model, "--method",
                    self.method, "--memory", c.memory, "--port", str(port), "--backend",
-                   c.backend, "--max-tokens", str(c.tokens), "--max-batch-tokens",
+                   c.backend, "--max-tokens", str(max(c.tokens)), "--max-batch-tokens",
                    str(c.max_batch_tokens), "--fit-prompt", str(c.prompt)]
         self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         url = f"http://127.0.0.1:{port}"
@@ -183,7 +193,7 @@ def _write(config: LoadtestConfig, rows: list[dict]) -> None:
             series.setdefault(row["method"], []).append((row["concurrency"], row[key]))
         plots.append(str(scatter_lines(out / name, series, "concurrent clients", label,
                                        f"{config.model} · {config.memory} KV · "
-                                       f"{config.prompt} + {config.tokens} tokens")))
+                                       f"{config.prompt} + {_tokens(config)} tokens")))
     path = write_results(out, "loadtest", config, rows, plots=plots,
                          client={name: _version(name) for name in ("httpx", "fastapi", "uvicorn",
                                                                     "openai")})

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from time import perf_counter
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 SAMPLE_EVERY = 0.25  # seconds between /metrics samples
 
@@ -40,9 +41,14 @@ class Outcome:
         return (self.end - self.first) / (self.tokens - 1)
 
 
-async def complete(http: httpx.AsyncClient, prompt: str, tokens: int) -> Outcome:
-    """One streamed completion of exactly ``tokens`` tokens (``ignore_eos``)."""
-    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True}
+async def complete(http: httpx.AsyncClient, prompt: str, tokens: int,
+                   temperature: float = 0.0) -> Outcome:
+    """One streamed completion of exactly ``tokens`` tokens (``ignore_eos``), sampled at
+    ``temperature`` (0: greedy)."""
+    body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if temperature:
+        body["temperature"] = temperature
     outcome = Outcome(perf_counter(), 0.0)
     try:
         async with http.stream("POST", "/v1/completions", json=body) as answer:
@@ -66,7 +72,7 @@ async def _read_stream(answer: httpx.Response, outcome: Outcome) -> None:
         if "error" in chunk:
             outcome.error = str(chunk["error"])
             return
-        if chunk["choices"][0].get("text") and outcome.first is None:
+        if chunk["choices"] and chunk["choices"][0].get("text") and outcome.first is None:
             outcome.first = perf_counter()
         usage = chunk.get("usage")
         if usage:
@@ -88,31 +94,34 @@ async def sample_metrics(http: httpx.AsyncClient, peaks: dict[str, float],
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {metric name: value} (labels dropped)."""
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name.split("{")[0]] = float(value)
+    """Prometheus text (``prometheus_client``'s parser) -> {gauge name: value}, summed over
+    label values."""
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        if family.type == "gauge":
+            values[family.name] = sum(sample.value for sample in family.samples)
     return values
 
 
-async def run_level(url: str, prompts: list[str], tokens: int, concurrency: int,
-                    timeout: float) -> tuple[list[Outcome], float, dict[str, float]]:
-    """All ``prompts`` with at most ``concurrency`` in flight -> (outcomes, wall seconds, the
-    peak of every /metrics gauge)."""
+async def run_level(url: str, prompts: list[str], tokens: list[int], concurrency: int,
+                    timeout: float, temperature: float = 0.0
+                    ) -> tuple[list[Outcome], float, dict[str, float]]:
+    """All ``prompts`` with at most ``concurrency`` in flight, the i-th asking for
+    ``tokens[i % len(tokens)]`` tokens -> (outcomes, wall seconds, the peak of every /metrics
+    gauge)."""
     gate = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 2, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits) as http:
-        async def bounded(prompt: str) -> Outcome:
+        async def bounded(prompt: str, count: int) -> Outcome:
             async with gate:
-                return await complete(http, prompt, tokens)
+                return await complete(http, prompt, count, temperature)
 
         peaks: dict[str, float] = {}
         done = asyncio.Event()
         sampler = asyncio.create_task(sample_metrics(http, peaks, done))
         start = perf_counter()
-        outcomes = await asyncio.gather(*(bounded(p) for p in prompts))
+        outcomes = await asyncio.gather(*(bounded(p, tokens[i % len(tokens)])
+                                          for i, p in enumerate(prompts)))
         wall = perf_counter() - start
         done.set()
         await sampler
