@@ -20,7 +20,12 @@ prefill-time channel selection needs). Two paths:
   scalar (NaN once a value was) that is checked at the next prompt or chunk, by
   ``KVMixCache.check()``, or at every step with ``KVMIX_CHECKS=1``;
 * anything else (a prompt, a chunk of scored tokens): each sequence's real tokens are checked,
-  attended and committed, every full group of the batch sealed in one ``encode`` call.
+  attended and committed, every full group of the batch sealed in one ``encode`` call; a refused
+  commit (a full pool, a value beyond the float16 statistics) changes nothing.
+
+Continuous batching drives a layer through ``decode`` and ``join`` instead, staged until the
+whole forward went through (``commit``) or undone (``rollback``): see "continuous batching"
+below.
 """
 
 from __future__ import annotations

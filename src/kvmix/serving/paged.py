@@ -10,17 +10,22 @@ The seam (transformers 5.24; the private parts are why the pin is exact):
   ``Budget``) and tells it when one ends (``free_blocks``: its pages return to the pool); the
   batch builder calls ``extend_read_and_write_indices`` once per request in batch order, which
   is where it learns which segment of the flat batch is which request; ``update`` stages a
-  layer's new keys and values.
+  layer's new keys and values; ``prepare_fork_request`` makes a request's other choices rows
+  that share its pages.
 * ``paged_attention`` — the attention function registered as ``kvmix_paged``: one decode call
   for every running request (the fused op, one call per layer), then each admitted request's
-  prompt attended over itself and committed, as ``generate`` does.
+  prompt attended over itself and laid out, as ``generate`` does.
 * ``KVMixManager`` — a ``ContinuousBatchingManager`` subclass overriding
   ``switch_to_cb_friendly_attn`` (which accepts only paged|eager, sdpa and flash) and
-  ``_create_batch_processor`` (which builds ``PagedAttentionCache`` itself).
+  ``_create_batch_processor`` (which builds ``PagedAttentionCache`` itself), with per-request
+  sampling and fault containment (``engine.Served``).
 
 A prompt is never split across forwards (each request's selection and sink come from its whole
-prompt, as alone), and every running request decodes at every step, so the rows of each layer
-are exactly the requests decoding plus the ones joining.
+prompt, as alone; the prompt of ``n`` choices less its last token, which each choice then
+decodes), and every running request decodes at every step, so the rows of each layer are
+exactly the requests decoding plus the ones joining. A step is staged in every layer and
+committed once the forward and its sampling went through, or rolled back (``rollback``: every
+layer, and the rows, as before the step) so that the requests not at fault can retry it.
 """
 
 from __future__ import annotations

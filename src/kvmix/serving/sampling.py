@@ -181,11 +181,14 @@ class ServedRunner(ModelRunner):
             raise RequestFault(causes)
 
     def _draw(self, logits: torch.Tensor, futures: list[FutureRequestState]) -> torch.Tensor:
-        """Sampled rows' tokens: [S, V] logits through the per-request processors, one uniform
-        draw per row from its own generator, inverted through the row's distribution -> [S]."""
+        """Sampled rows' tokens: [S, V] logits through the per-request processors some row
+        sets (top-k and top-p sort the vocabulary: not for nothing), one uniform draw per row
+        from its own generator, inverted through the row's distribution -> [S]."""
         for processor in self.logit_processor.logits_processor:
-            args = processor.prepare_tensor_args(futures).to(logits.device)
-            logits = processor(logits, args)
+            if any(key in f.state.logit_processor_kwargs for f in futures
+                   for key in processor.supported_kwargs):
+                args = processor.prepare_tensor_args(futures).to(logits.device)
+                logits = processor(logits, args)
         cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # [S, V]
         draws = torch.stack([torch.rand((), generator=f.state.generator, device=logits.device)
                              for f in futures])  # [S]
