@@ -274,9 +274,12 @@ class Run:
                 await self._check(request)
                 check = now + POLL
             try:
-                choice, output = await asyncio.wait_for(self.queue.get(), check - now)
-            except asyncio.TimeoutError:
-                continue
+                choice, output = self.queue.get_nowait()  # no task per output when they queue
+            except asyncio.QueueEmpty:
+                try:
+                    choice, output = await asyncio.wait_for(self.queue.get(), check - now)
+                except asyncio.TimeoutError:
+                    continue
             if choice is None:
                 raise output
             if choice.done:
