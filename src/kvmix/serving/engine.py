@@ -70,6 +70,8 @@ class Served:
                     sampling: Sampling | None = None, n: int = 1) -> str | None:
         """transformers' ``add_request`` with the request's ``sampling`` and ``n`` choices
         (the others get ``child_ids``); None when the loop takes no more requests."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n={n!r} is invalid; expected an integer >= 1")
         if self.background_thread_status.can_accept_new_requests() is not None:
             return None
         if request_id is None:
@@ -92,6 +94,8 @@ class Served:
     # -- the loop ------------------------------------------------------------------------------
 
     def _generation_step(self) -> None:
+        """One forward and its sampling, then the cache keeps the step; a fault is contained
+        and the step skipped (no update of the requests)."""
         try:
             super()._generation_step()
             commit = getattr(self.batch_processor.cache, "commit", None)
@@ -103,6 +107,7 @@ class Served:
         self.stats.record(self.batch_processor)
 
     def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
+        """transformers' loop body; a skipped step goes on to the next; the figures after."""
         try:
             return super()._generation_loop_body(batch_processor, bootstrapping)
         except StepSkipped:

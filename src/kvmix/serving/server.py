@@ -237,7 +237,6 @@ class Run:
             for i in range(len(prompts))
             for j, rid in enumerate(self._ids(i))]
         self.max_tokens = max_tokens
-        self.submitted = False
 
     def _ids(self, prompt: int) -> list[str]:
         parent = f"{self.id}-{prompt}"
@@ -258,7 +257,6 @@ class Run:
                 sampling=self.ask.sampling, n=self.ask.n)
             if added is None:
                 raise Refused(503, "the server is not taking requests", "draining")
-        self.submitted = True
 
     def abort(self, refusal: Refused) -> None:
         self.queue.put_nowait((None, refusal))
@@ -311,11 +309,11 @@ class Run:
             manager.cancel_request(choice.request_id)
 
     def close(self) -> None:
-        """Whatever still runs is cancelled."""
+        """Whatever still runs (or was submitted before a refusal) is cancelled."""
         for choice in self.choices:
             if not choice.done:
                 choice.error = choice.error or "cancelled"
-                self._release(choice, cancel=self.submitted)
+                self._release(choice, cancel=True)
         self.service.runs.discard(self)
 
     def usage(self) -> dict[str, int]:
