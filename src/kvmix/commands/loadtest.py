@@ -107,8 +107,8 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
 
 def _resolved(method: str | None) -> str | None:
     """The method with every parameter, as the server runs it."""
-    from kvmix.commands.serve import ANCHOR
     from kvmix.methods import parse_method
+    from kvmix.serving.launch import ANCHOR
 
     if method is None:
         return None

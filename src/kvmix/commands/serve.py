@@ -7,44 +7,13 @@ from __future__ import annotations
 
 import ipaddress
 import logging
-import os
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from kvmix.evaluation.planner import parse_memory
+import yaml
+
 from kvmix.evaluation.report import console
-from kvmix.methods import parse_method
-
-ANCHOR = "transformers"  # transformers' own continuous batching and paged float cache
-
-
-@dataclass
-class ServeConfig:
-    model: str = "smollm2"
-    method: str = "pnmix1"
-    memory: str = "2GB"  # KV cache budget
-    host: str = "127.0.0.1"
-    port: int = 8000
-    backend: str = "auto"
-    dtype: str = "auto"
-    device: str = "cpu"
-    max_tokens: int = 128  # a request's max_tokens when it sends none
-    max_batch_tokens: int = 2048
-    max_waiting: int = 0  # 0: requests beyond the budget wait, however many
-    fit_prompt: int = 512  # the request the startup line sizes: prompt + max_tokens tokens
-    max_body: str = "4MB"  # a request body beyond it gets 413
-    request_timeout: float | None = None  # seconds a request may take, waiting included
-    api_key: str | None = None  # /v1/* require it (default: $KVMIX_API_KEY)
-    drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM
-
-    def limits(self) -> Any:
-        """The server's ``Limits`` (refused here with the parameter named)."""
-        from kvmix.serving.server import Limits
-
-        return Limits(self.max_tokens, self.max_waiting,
-                      int(parse_memory(self.max_body, "max_body")),
-                      self.request_timeout, self.api_key or os.environ.get("KVMIX_API_KEY"),
-                      self.drain_timeout)
+from kvmix.serving.launch import ANCHOR, ServeConfig, build
 
 
 def add_parser(commands) -> None:
@@ -79,57 +48,31 @@ def add_parser(commands) -> None:
     parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout,
                         help="on SIGTERM/SIGINT: 503 to new requests, running ones finish "
                              "for up to this many seconds, then exit 0")
-    parser.set_defaults(run=lambda args: run_serve(ServeConfig(**{
-        k: getattr(args, k) for k in vars(defaults)})))
+    ray = parser.add_argument_group("Ray Serve (the ray extra)")
+    ray.add_argument("--ray", action="store_true",
+                     help="replicas of this server on Ray Serve, routed by free pages")
+    ray.add_argument("--address", default=None,
+                     help="the Ray cluster: 'auto' (one started with `ray start`), "
+                          "ray://host:10001, or none (a local Ray for this process)")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="a fixed number of replicas (default 1; or --min/--max-replicas)")
+    ray.add_argument("--min-replicas", type=int, default=None,
+                     help="autoscaled on KV utilisation between --min- and --max-replicas")
+    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--replica-cpus", type=float, default=1.0,
+                     help="CPUs each replica takes (on CUDA a replica takes one GPU)")
+    ray.add_argument("--ray-config", default=None, metavar="FILE",
+                     help="write the YAML `serve deploy FILE` takes, then exit")
+    parser.set_defaults(run=lambda args: run_serve(
+        ServeConfig(**{k: getattr(args, k) for k in vars(defaults)}), args))
 
 
-def build(config: ServeConfig) -> tuple[Any, Any, str]:
-    """Everything before the port opens -> (manager, tokenizer, the startup line); a bad
-    method, model, size or budget is refused here."""
-    from kvmix.models.loading import load_model
-    from kvmix.serving.anchor import TransformersManager
-    from kvmix.serving.paged import KVMixManager
-
-    method = None if config.method == ANCHOR else parse_method(config.method)
-    memory = parse_memory(config.memory)
-    for name in ("port", "max_tokens", "max_batch_tokens", "fit_prompt"):
-        value = getattr(config, name)
-        if not isinstance(value, int) or value < (0 if name == "port" else 1):
-            raise ValueError(f"{name}={value!r} is invalid; expected a positive integer")
-    config.limits()  # bad limits are refused before the model loads
-    try:
-        loaded = load_model(config.model, config.dtype, config.device)
-    except (OSError, ValueError) as error:
-        raise ValueError(f"model={config.model!r} cannot be loaded ({error}); valid: 'smollm2' "
-                         "(the offline default), a transformers model folder, a .gguf file, or "
-                         "a hub id when the hub is reachable") from None
-    if method is None:
-        manager = TransformersManager(loaded.model, memory, config.max_tokens,
-                                      config.max_batch_tokens)
-    else:
-        manager = KVMixManager(loaded.model, method, memory, config.backend, config.max_tokens,
-                               config.max_batch_tokens, config.fit_prompt + config.max_tokens)
-    return manager, loaded.tokenizer, fit_line(manager, config, memory)
-
-
-def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
-    """What fits, from the planner's formula for this model and budget."""
-    length = config.fit_prompt + config.max_tokens
-    if not hasattr(manager, "budget"):
-        fits = int(manager.blocks // -(-length // 256))
-        return (f"transformers' paged float cache: {manager.blocks} pages of 256 tokens in "
-                f"{memory / 1e9:.3g} GB: {fits} requests of {config.fit_prompt} + "
-                f"{config.max_tokens} tokens at once")
-    budget = manager.budget
-    return (f"{config.method}: {budget.rows} requests of {config.fit_prompt} + "
-            f"{config.max_tokens} tokens fit {memory / 1e9:.3g} GB at once "
-            f"({budget.footprint(length) / 1e6:.2f} MB each by the planner's formula); the "
-            f"cache is allocated for them: float slots for {budget.rows} requests and "
-            f"{budget.capacity[-1]} pages per layer")
-
-
-def run_serve(config: ServeConfig) -> None:
-    """Serve until SIGTERM/SIGINT (drained: exit 0) or the generation loop dies (exit 1)."""
+def run_serve(config: ServeConfig, args: Any = None) -> None:
+    """Serve until SIGTERM/SIGINT (drained: exit 0) or the generation loop dies (exit 1); with
+    ``--ray``, replicas on Ray Serve; with ``--ray-config``, only the file for them."""
+    ray = _ray_arguments(args)
+    if ray is not None:
+        return _run_ray(config, *ray)
     from kvmix.serving.server import Server, build_app
 
     limits = config.limits()
@@ -161,3 +104,40 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _ray_arguments(args: Any) -> tuple | None:
+    """(scale, address, config file) of --ray or --ray-config, or None; refused when they
+    do not go together."""
+    if args is None or not (args.ray or args.ray_config):
+        if args is not None and (args.address or args.replicas or args.min_replicas
+                                 or args.max_replicas):
+            raise ValueError("--address and --replicas/--min-replicas/--max-replicas go with "
+                             "--ray or --ray-config")
+        return None
+    from kvmix.serving.launch import Scale
+
+    autoscaled = args.min_replicas is not None or args.max_replicas is not None
+    if autoscaled and args.replicas is not None:
+        raise ValueError("give --replicas or --min-replicas/--max-replicas, not both")
+    gpus = 1.0 if args.device.startswith("cuda") else 0.0
+    scale = Scale(replicas=None if autoscaled else (args.replicas or 1),
+                  min_replicas=args.min_replicas if args.min_replicas is not None else 1,
+                  max_replicas=args.max_replicas or max(args.min_replicas or 1, 1),
+                  cpus=args.replica_cpus, gpus=gpus)
+    return scale, args.address, args.ray_config
+
+
+def _run_ray(config: ServeConfig, scale: Any, address: str | None, path: str | None) -> None:
+    from kvmix.serving.launch import require_ray
+
+    if path is not None:
+        from kvmix.serving.launch import deploy_config
+
+        Path(path).write_text(yaml.safe_dump(deploy_config(config, scale), sort_keys=False))
+        console.print(f"wrote {path}: `serve deploy {path}` on a Ray cluster serves it")
+        return
+    require_ray()
+    from kvmix.serving.replicas import serve_on_ray
+
+    serve_on_ray(config, scale, address, console.print)

@@ -73,6 +73,16 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cp
     return LoadedModel(model, tokenizer, name, source, torch_dtype)
 
 
+def load_config(name: str = DEFAULT_MODEL) -> tuple[Any, torch.dtype | None]:
+    """The configuration of a model kvmix loads by ``name``, and its checkpoint's dtype,
+    without its weights (a GGUF file's header is read whole: seconds)."""
+    from transformers import AutoConfig
+
+    folder, gguf = _locate(name)
+    extra = {"gguf_file": gguf} if gguf else {}
+    return AutoConfig.from_pretrained(folder, **extra), checkpoint_dtype(folder, **extra)
+
+
 def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
     """The tokenizer of a model kvmix loads by ``name`` (the default model, a GGUF file, a
     folder)."""

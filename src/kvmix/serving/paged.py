@@ -374,7 +374,16 @@ class KVMixPagedCache(PagedAttentionCache):
                 "cache_held_bytes": nbytes - kinds.get(FREE, 0),
                 "reserved_bytes": self.reserved_bytes() + self.budget.static,
                 "budget_bytes": self.budget.memory,
-                "kv_usage": 1 - self.compute_free_capacity(relative=True)}
+                "kv_usage": 1 - self.compute_free_capacity(relative=True),
+                "room": self.room(), "rows": self.budget.rows}
+
+    def room(self) -> int:
+        """How many more requests of the length the budget is split for fit now (rows and
+        unreserved pages), as a router weighs replicas."""
+        budget = self.budget
+        pages = [(cap - used) // max(n, 1) for cap, used, n in zip(
+            budget.capacity, self.pages_reserved, budget.pages(budget.length), strict=True)]
+        return max(min(budget.rows - self.rows_reserved, *pages), 0)
 
 
 def _kind(window: int | None) -> str:

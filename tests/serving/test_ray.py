@@ -1,0 +1,253 @@
+"""``kvmix serve`` replicas on Ray Serve, with real Ray on this machine: a simulated two-node
+cluster (``ray.cluster_utils.Cluster``, one replica per node) started once for the module and
+shut down after it, every file it wrote removed. The replicas serve a tiny random model saved to
+a folder, as a user's model folder."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import socket
+import tempfile
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import ray
+from ray import serve
+from ray.cluster_utils import Cluster
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvmix
+from kvmix.models.loading import load_tokenizer
+from kvmix.serving.launch import Scale, ServeConfig, deploy_config
+from kvmix.serving.replicas import FreePagesRouter, KVUsagePolicy, application
+
+METHOD = "kivi2:sink=4,residual=16,group=8"
+TIMEOUT = 60.0
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
+           "Water boils at", "1, 2, 3, 4,", "Dear Sir or Madam,"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2")
+
+
+@pytest.fixture(scope="module")
+def model_folder(tokenizer):
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=1024,
+                         eos_token_id=tokenizer.eos_token_id)
+    folder = tempfile.mkdtemp(prefix="kvmix-model-")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def ray_files():
+    """Every file Ray writes (sessions, sockets, the address of the current cluster) in a
+    folder of its own, removed afterwards (short: Ray's socket paths must stay short)."""
+    temp = tempfile.mkdtemp(prefix="ray")
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    try:
+        yield temp
+    finally:
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two raylets on this machine (2 CPUs each), the driver connected; gone afterwards."""
+    with ray_files():
+        two = Cluster(initialize_head=True, connect=True, shutdown_at_exit=False,
+                      head_node_args={"num_cpus": 2, "include_dashboard": False})
+        two.add_node(num_cpus=2)
+        two.wait_for_nodes()
+        try:
+            yield two
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            two.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(cluster, model_folder):
+    """(url, config): two replicas, one per node, each a budget of nine requests of 88 tokens
+    (99 pages a layer: one request of 800 tokens takes 98)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = ServeConfig(model=model_folder, method=METHOD, memory="300KB", fit_prompt=64,
+                         max_tokens=24, port=port)
+    serve.run(application(config, Scale(replicas=2, cpus=0.5, per_node=1)), name="kvmix",
+              route_prefix="/")
+    yield f"http://127.0.0.1:{port}", config
+
+
+def replicas() -> list:
+    """The live replica actors (handles whose routing stats can be read) and their nodes."""
+    found = []
+    for named in ray.util.list_named_actors(all_namespaces=True):
+        if named["name"].startswith("SERVE_REPLICA::kvmix#kvmix#"):
+            with contextlib.suppress(ValueError, ray.exceptions.RayActorError):
+                actor = ray.get_actor(named["name"], namespace=named["namespace"])
+                node = ray.get(actor.__ray_call__.remote(
+                    lambda _: ray.get_runtime_context().get_node_id()), timeout=10)
+                found.append(SimpleNamespace(node=node, actor=actor))
+    return found
+
+
+def stats(replica) -> dict:
+    return ray.get(replica.actor.record_routing_stats.remote(), timeout=30)
+
+
+def alone(folder: str, tokenizer, prompt: str, new: int = 24) -> str:
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, cache=kvmix.make_cache(model, METHOD), max_new_tokens=new,
+                             do_sample=False)
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def test_one_replica_per_node_and_greedy_outputs_as_alone(served, model_folder, tokenizer):
+    """The simulated two-node cluster holds one replica on each node; six requests at once
+    through Serve's proxy each get what generate gives the prompt alone."""
+    url, _ = served
+    assert len({r.node for r in replicas()}) == 2
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+            return await asyncio.gather(*(http.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 24}) for p in PROMPTS))
+
+    answers = asyncio.run(send_all())
+    assert [a.status_code for a in answers] == [200] * len(PROMPTS)
+    assert [a.json()["choices"][0]["text"] for a in answers] == \
+        [alone(model_folder, tokenizer, p) for p in PROMPTS]
+
+
+def test_requests_go_where_their_pages_fit_and_wait_when_none_has_room(served):
+    """A long request reserves most of one replica's pages (its room drops to 0 while it
+    holds one request): the next requests go to the other replica; with no room left
+    anywhere, one more waits and is answered, not refused."""
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http, \
+            http.stream("POST", "/v1/completions", json={
+                "prompt": "a b c", "max_tokens": 800, "ignore_eos": True,
+                "stream": True}) as long:
+        lines = long.iter_lines()  # one iterator: closing one closes the stream
+        next(line for line in lines if line.startswith("data: "))
+        time.sleep(1.5)  # the replicas report again (every second)
+        full, free = sorted(replicas(), key=lambda r: stats(r)["room"])
+        assert stats(full)["room"] == 0 and stats(free)["room"] >= 2
+        before = stats(full)["started"]
+
+        async def two():
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as a:
+                return await asyncio.gather(*(a.post("/v1/completions", json={
+                    "prompt": p, "max_tokens": 24, "ignore_eos": True}) for p in PROMPTS[:2]))
+
+        assert [r.status_code for r in asyncio.run(two())] == [200, 200]
+        assert stats(full)["started"] == before  # both went to the replica with room
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": "d e f", "max_tokens": 800, "ignore_eos": True,
+                "stream": True}) as other:
+            more = other.iter_lines()
+            next(line for line in more if line.startswith("data: "))
+            assert [stats(r)["room"] for r in replicas()] == [0, 0]
+            waited = http.post("/v1/completions", json={"prompt": "g", "max_tokens": 4})
+            assert waited.status_code == 200  # it waited for pages, it was not refused
+            assert [line for line in more if line.startswith("data: ")][-1] == "data: [DONE]"
+        rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]"
+
+
+def test_a_killed_replica_fails_its_requests_and_serve_restarts_it(served):
+    """ray.kill of the replica holding a stream: the stream ends (an error, never a hang), a
+    new request is served by the other replica, and Serve brings the deployment back to two."""
+    url, _ = served
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        with http.stream("POST", "/v1/completions", json={
+                "prompt": "x", "max_tokens": 800, "ignore_eos": True, "stream": True}) as s:
+            lines = s.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            time.sleep(1.5)  # the replicas report again (every second)
+            holder = max(replicas(), key=lambda r: stats(r)["running"])
+            ray.kill(holder.actor, no_restart=False)
+            with contextlib.suppress(httpx.HTTPError):  # a broken stream is an error too
+                rest = [line for line in lines if line.startswith("data: ")]
+                assert not rest or rest[-1] != "data: [DONE]" or any(
+                    "error" in line for line in rest)
+        after = http.post("/v1/completions", json={"prompt": "y", "max_tokens": 8})
+        assert after.status_code == 200
+    deadline = time.monotonic() + 90
+    while len(replicas()) < 2:
+        assert time.monotonic() < deadline, "Serve did not restart the replica"
+        time.sleep(1)
+
+
+def test_the_router_ranks_by_room_then_free_pages_then_waiting():
+    """Replicas with unequal budgets, as the router sees them: one where a request of its split
+    size fits comes first, the one with more free pages first among those; requests sent
+    since a report count against its room until the next one."""
+    router = object.__new__(FreePagesRouter)
+    router.initialize_state()
+    big = SimpleNamespace(replica_id="big", routing_stats={
+        "room": 5, "free_pages": 900, "waiting": 0, "at": 1.0})
+    small = SimpleNamespace(replica_id="small", routing_stats={
+        "room": 1, "free_pages": 100, "waiting": 0, "at": 1.0})
+    full = SimpleNamespace(replica_id="full", routing_stats={
+        "room": 0, "free_pages": 950, "waiting": 3, "at": 1.0})
+    ranked = asyncio.run(router.choose_replicas([full, small, big]))
+    assert [r[0].replica_id for r in ranked] == ["big", "small", "full"]
+    router._replicas = {"big": big}
+    for _ in range(5):
+        router.on_request_routed(None, "big", None)
+    assert [r[0].replica_id for r in asyncio.run(router.choose_replicas(
+        [full, small, big]))] == ["small", "full", "big"]  # big has no room left now
+    big.routing_stats = {**big.routing_stats, "at": 2.0}  # a new report: the count resets
+    assert asyncio.run(router.choose_replicas([small, big]))[0][0].replica_id == "big"
+
+
+def test_autoscaling_keeps_kv_utilisation_at_its_target():
+    policy = KVUsagePolicy(target=0.5)
+    ctx = SimpleNamespace(target_num_replicas=2, aggregated_metrics={
+        "kv_usage": {"a": 0.9, "b": 0.8}, "waiting_rows": {"a": 0.5, "b": 0.0}})
+    assert policy(ctx)[0] == 5  # demand 2.2 replicas' worth at 0.5 each
+    ctx.aggregated_metrics = {"kv_usage": {"a": 0.1, "b": 0.1}, "waiting_rows": {}}
+    assert policy(ctx)[0] == 1
+    ctx.aggregated_metrics = {}
+    assert policy(ctx)[0] == 2  # no report yet: as it is
+
+
+def test_the_serve_deploy_file_holds_the_application(model_folder):
+    config = ServeConfig(model=model_folder, method=METHOD, memory="300KB", port=8123)
+    file = deploy_config(config, Scale(replicas=None, min_replicas=1, max_replicas=3))
+    app = file["applications"][0]
+    assert app["import_path"] == "kvmix.serving.replicas:build_application"
+    assert app["args"]["method"] == METHOD and app["args"]["scale"]["max_replicas"] == 3
+    assert file["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    with pytest.raises(ValueError, match="valid methods"):
+        deploy_config(replace(config, method="kivi9"), Scale())
