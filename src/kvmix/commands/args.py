@@ -32,6 +32,17 @@ def add_job_arguments(parser: argparse.ArgumentParser, defaults: Any, methods: b
     parser.add_argument("--out", default=None, help="folder for results.json")
 
 
+def add_grid_arguments(parser: argparse.ArgumentParser) -> None:
+    """--ray, --address and --workers of the commands whose cells can run on Ray."""
+    parser.add_argument("--ray", action="store_true",
+                        help="cells as Ray tasks (the ray extra); with --out, a rerun resumes")
+    parser.add_argument("--address", default=None,
+                        help="the Ray cluster: 'auto' (`ray start`'s), host:port, "
+                             "ray://host:10001, or none (a local Ray)")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="Ray actors, each holding the model once (one GPU each on CUDA)")
+
+
 def add_length_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
     """--context, --eval-tokens and --chunk of the commands that score through the cache."""
     parser.add_argument("--context", type=int, default=cls.context,

@@ -6,10 +6,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.commands.args import (
+    add_grid_arguments,
+    add_job_arguments,
+    add_length_arguments,
+    config_from,
+)
+from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, reference
 from kvmix.evaluation.report import console
-from kvmix.evaluation.scoring import Scored, check_lengths, summary
+from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 
@@ -22,7 +28,7 @@ COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
 
 
 @dataclass
-class CompareConfig(JobConfig):
+class CompareConfig(GridConfig, JobConfig):
     methods: list[str] = field(default_factory=lambda: list(DEFAULT_METHODS))
     context: int = 1024
     eval_tokens: int = 256
@@ -33,25 +39,39 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("compare", help="memory, perplexity, token KL and time per method")
     add_job_arguments(parser, CompareConfig())
     add_length_arguments(parser, CompareConfig)
+    add_grid_arguments(parser)
     parser.set_defaults(run=lambda args: run_compare(config_from(CompareConfig, args)))
 
 
 def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> list[dict]:
-    """Evaluate every method on the same tokens; ``full`` is always run first as the reference."""
+    """Evaluate every method on the same tokens against the ``full`` cache: one cell per
+    method (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
-    methods = [parse_method(m) for m in config.methods]  # bad method strings fail before loading
-    loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    scored = score_methods(loaded, ids, ["full", *config.methods], config.context, config.chunk,
-                           backend=config.backend)
-    rows = [_row(text, method, scored[text], scored["full"], loaded.dtype)
-            for text, method in zip(config.methods, methods, strict=True)]
+    check_grid(config)
+    for method in config.methods:
+        parse_method(method)  # bad method strings fail before loading
+    grid = Grid("compare", config, compare_cell, shared=config)
+    outcomes, model = grid.run(list(config.methods), Worker.holding(loaded, config))
+    rows, _ = merged(outcomes)
     for row in rows:
         if row["plan"]:
             console.print(f"{row['method']} plan: key bits {row['plan']['key_bits']}, "
                           f"value bits {row['plan']['value_bits']}")
-    finish("compare", config, loaded, rows, f"{config.data} · context {config.context} + "
+    finish("compare", config, model, rows, f"{config.data} · context {config.context} + "
            f"{config.eval_tokens} tokens", COLUMNS)
     return rows
+
+
+def compare_cell(worker: Worker, config: CompareConfig, method: str) -> list[dict]:
+    """One method scored on the config's tokens against ``full`` (once per worker)."""
+    loaded = worker.loaded
+    ids = worker.memo("ids", lambda: load_inputs(
+        config, config.context + config.eval_tokens + 1, loaded)[1])
+    full = worker.memo("full", lambda: reference(loaded, ids, config))
+    scored = full if method == "full" else score(loaded.model, ids, method, config.context,
+                                                  config.chunk, backend=config.backend)
+    return [_row(method, parse_method(method), scored, full, loaded.dtype)]
+
 
 
 def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) -> dict:

@@ -9,17 +9,18 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass, field
 
-from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.commands.args import add_grid_arguments, add_job_arguments, config_from
+from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
 from kvmix.evaluation.jobs import JobConfig, check_backend, finish
 from kvmix.methods import parse_method
-from kvmix.models.loading import LoadedModel, load_model
+from kvmix.models.loading import LoadedModel
 
 COLUMNS = {"method": "method", "task": "task", "metric": "metric", "value": "value",
            "nbytes": "cache bytes (peak)"}
 
 
 @dataclass
-class EvalConfig(JobConfig):
+class EvalConfig(GridConfig, JobConfig):
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2", "pnmix1"])
     tasks: list[str] = field(default_factory=lambda: ["kvmix_passkey"])
     limit: int | None = None
@@ -37,34 +38,51 @@ def add_parser(commands) -> None:
                         help="prompt tokens of the synthetic tasks (RULER: 4096 and up)")
     parser.add_argument("--chunk", type=int, default=EvalConfig.chunk,
                         help="continuation tokens per step through the cache (1 = decode)")
+    add_grid_arguments(parser)
     parser.set_defaults(run=lambda args: run_eval(config_from(EvalConfig, args)))
 
 
 def run_eval(config: EvalConfig, loaded: LoadedModel | None = None) -> list[dict]:
+    """One cell per method (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
     lm_eval, harness = _imports()
     _check(config)
-    folder = tempfile.mkdtemp(prefix="kvmix-tokenizer-")
-    manager = harness.task_manager(folder, config.lengths)
-    unknown = [t for t in config.tasks if t not in manager.all_tasks]
+    check_grid(config)
+    unknown = [t for t in config.tasks if t not in _tasks(harness, config).all_tasks]
     if unknown:
         raise ValueError(f"tasks={','.join(unknown)} unknown; valid local ones: "
                          f"{', '.join(harness.LOCAL_TASKS)} (or any lm-eval task whose dataset "
                          "you have)")
-    loaded = loaded or load_model(config.model, config.dtype, config.device)
-    loaded.tokenizer.save_pretrained(folder)  # the synthetic tasks size prompts with it
-    rows = []
-    for method in config.methods:
-        lm = harness.KVMixLM(loaded, method, config.backend, config.chunk)
-        results = lm_eval.simple_evaluate(model=lm, tasks=config.tasks, limit=config.limit,
-                                          task_manager=manager, bootstrap_iters=0,
-                                          log_samples=False)
-        rows += [{"method": method, "task": task, "metric": metric, "value": value,
-                  "nbytes": lm.peak_nbytes}
-                 for task, metrics in results["results"].items()
-                 for metric, value in _metrics(metrics)]
-    finish("eval", config, loaded, rows, f"{', '.join(config.tasks)} · limit {config.limit}",
+    outcomes, model = Grid("eval", config, eval_cell, shared=config).run(
+        list(config.methods), Worker.holding(loaded, config))
+    rows, _ = merged(outcomes)
+    finish("eval", config, model, rows, f"{', '.join(config.tasks)} · limit {config.limit}",
            COLUMNS, uses_data=False, lm_eval_version=lm_eval.__version__)
     return rows
+
+
+def eval_cell(worker: Worker, config: EvalConfig, method: str) -> list[dict]:
+    """One method through every task."""
+    lm_eval, harness = _imports()
+    loaded = worker.loaded
+    manager = worker.memo("tasks", lambda: _tasks(harness, config, loaded.tokenizer))
+    lm = harness.KVMixLM(loaded, method, config.backend, config.chunk)
+    results = lm_eval.simple_evaluate(model=lm, tasks=config.tasks, limit=config.limit,
+                                      task_manager=manager, bootstrap_iters=0,
+                                      log_samples=False)
+    return [{"method": method, "task": task, "metric": metric, "value": value,
+             "nbytes": lm.peak_nbytes}
+            for task, metrics in results["results"].items()
+            for metric, value in _metrics(metrics)]
+
+
+def _tasks(harness, config: EvalConfig, tokenizer=None):
+    """lm-eval's task manager with kvmix's local tasks; the synthetic ones size their prompts
+    with ``tokenizer`` (saved where they read it)."""
+    folder = tempfile.mkdtemp(prefix="kvmix-tokenizer-")
+    manager = harness.task_manager(folder, config.lengths)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    return manager
 
 
 def _imports():

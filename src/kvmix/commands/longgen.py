@@ -15,16 +15,15 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from pathlib import Path
 
-from rich.progress import Progress
-
-from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.commands.args import add_grid_arguments, add_job_arguments, config_from
 from kvmix.evaluation.data import prompt_set
 from kvmix.evaluation.generation import first_divergence, paired_decode, survival
+from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
 from kvmix.evaluation.jobs import JobConfig, check_backend, finish
 from kvmix.evaluation.plots import line_plot, scatter_lines
 from kvmix.evaluation.report import console
 from kvmix.methods import parse_method
-from kvmix.models.loading import LoadedModel, load_model, max_positions
+from kvmix.models.loading import LoadedModel, max_positions
 
 COLUMNS = {"method": "method", "first_divergence_median": "1st divergence (median)",
            "survival_quarter": "identical @n/4", "survival_end": "identical @n",
@@ -35,7 +34,7 @@ MAX_NEW_TOKENS = 4096
 
 
 @dataclass
-class LonggenConfig(JobConfig):
+class LonggenConfig(GridConfig, JobConfig):
     methods: list[str] = field(default_factory=lambda: ["kivi2", "pnmix1"])
     new_tokens: int = 1024
     prompts: int = 8
@@ -54,35 +53,50 @@ def add_parser(commands) -> None:
                         help="prompt length for prose, code and text files")
     parser.add_argument("--batch", type=int, default=LonggenConfig.batch,
                         help="prompts generated together (left-padded)")
+    add_grid_arguments(parser)
     parser.set_defaults(run=lambda args: run_longgen(config_from(LonggenConfig, args)))
 
 
 def run_longgen(config: LonggenConfig, loaded: LoadedModel | None = None) -> list[dict]:
+    """One cell per method and batch of prompts not in ``samples.jsonl`` yet
+    (``evaluation.grid``: here or on Ray)."""
     _check(config)
-    chrf = _chrf()
-    loaded = loaded or load_model(config.model, config.dtype, config.device)
+    _chrf()
+    check_grid(config)
+    samples = _Samples(config)
+    cells = [(method, tuple(todo[start : start + config.batch]))
+             for method in config.methods
+             for todo in [[i for i in range(config.prompts) if (method, i) not in samples.done]]
+             for start in range(0, len(todo), config.batch)]
+    outcomes, model = Grid("longgen", config, longgen_cell, shared=config).run(
+        cells, Worker.holding(loaded, config))
+    for record in merged(outcomes)[0]:
+        samples.add(record)
+    rows = [_row(method, samples.of(method), config.new_tokens) for method in config.methods
+            if samples.of(method)]
+    plots = _plots(config, samples) if config.out else []
+    finish("longgen", config, model, rows, f"{config.data} · {config.prompts} prompts · "
+           f"{config.new_tokens} greedy tokens vs full", COLUMNS, plots=plots)
+    return rows
+
+
+def longgen_cell(worker: Worker, config: LonggenConfig, cell: tuple) -> list[dict]:
+    """One method on a batch of prompts: a record per prompt."""
+    method, chosen = cell
+    loaded = worker.loaded
+    prompts = worker.memo("prompts", lambda: _prompts(loaded, config))
+    return _run(loaded, method, [prompts[i] for i in chosen], list(chosen), config,
+                worker.memo("chrf", _chrf), None)
+
+
+def _prompts(loaded: LoadedModel, config: LonggenConfig) -> list[list[int]]:
     prompts = prompt_set(config.data, loaded.tokenizer, config.prompts, config.prompt_tokens)
     longest = max(map(len, prompts)) + config.new_tokens
     if longest > max_positions(loaded.model):
         raise ValueError(f"new_tokens={config.new_tokens} after a {longest - config.new_tokens}"
                          f"-token prompt exceeds the model's {max_positions(loaded.model)} "
                          "positions")
-    samples = _Samples(config)
-    with Progress(console=console, transient=True) as bar:
-        for method in config.methods:
-            todo = [i for i in range(len(prompts)) if (method, i) not in samples.done]
-            task = bar.add_task(method, total=2 * config.new_tokens * -(-len(todo)
-                                                                        // config.batch))
-            for start in range(0, len(todo), config.batch):
-                chosen = todo[start : start + config.batch]
-                for record in _run(loaded, method, [prompts[i] for i in chosen], chosen,
-                                   config, chrf, lambda n, t=task: bar.advance(t, n)):
-                    samples.add(record)
-    rows = [_row(method, samples.of(method), config.new_tokens) for method in config.methods]
-    plots = _plots(config, samples) if config.out else []
-    finish("longgen", config, loaded, rows, f"{config.data} · {len(prompts)} prompts · "
-           f"{config.new_tokens} greedy tokens vs full", COLUMNS, plots=plots)
-    return rows
+    return prompts
 
 
 def _check(config: LonggenConfig) -> None:

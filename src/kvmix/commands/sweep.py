@@ -19,10 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
+from kvmix.commands.args import (
+    add_grid_arguments,
+    add_job_arguments,
+    add_length_arguments,
+    config_from,
+)
+from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, reference
 from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.scoring import check_lengths, score, summary
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 
@@ -34,7 +40,7 @@ COLUMNS = {"family": "method", "target_bits": "target", "key_bits": "K bits",
 
 
 @dataclass
-class SweepConfig(JobConfig):
+class SweepConfig(GridConfig, JobConfig):
     budgets: list[float] = field(default_factory=lambda: list(BUDGETS))
     families: list[str] = field(default_factory=lambda: list(FAMILIES))
     group: int = 128
@@ -70,26 +76,40 @@ def add_parser(commands) -> None:
     parser.add_argument("--no-kivi", dest="kivi", action="store_false",
                         help="leave out KIVI's native points")
     add_length_arguments(parser, SweepConfig)
+    add_grid_arguments(parser)
     parser.set_defaults(run=lambda args: run_sweep(config_from(SweepConfig, args)))
 
 
 def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[dict]:
+    """One cell per point (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
+    check_grid(config)
     points = [(family, bits, method_at(family, bits, config.group))
               for family in config.families for bits in config.budgets]
     points += [("kivi", None, m) for m in KIVI_POINTS] if config.kivi else []
     for _, _, method in points:
         parse_method(method)
-    loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    scored = score_methods(loaded, ids, ["full"] + [m for _, _, m in points], config.context,
-                           config.chunk, backend=config.backend)
-    rows = [{"family": family, "target_bits": target, "setting": method.partition(":")[2],
-             "method": method, **summary(scored[method], scored["full"])}
-            for family, target, method in points]
+    grid = Grid("sweep", config, sweep_cell, shared=config)
+    outcomes, model = grid.run(points, Worker.holding(loaded, config))
+    rows, _ = merged(outcomes)
     plots = [str(_plot(config, rows))] if config.out else []
-    finish("sweep", config, loaded, rows, f"{config.data} · context {config.context} · "
-           f"full ppl {scored['full'].ppl:.4g}", COLUMNS, plots=plots)
+    full = f"full ppl {rows[0]['ppl'] - rows[0]['delta_ppl']:.4g}" if rows else "no point"
+    finish("sweep", config, model, rows, f"{config.data} · context {config.context} · {full}",
+           COLUMNS, plots=plots)
     return rows
+
+
+def sweep_cell(worker: Worker, config: SweepConfig, point: tuple) -> list[dict]:
+    """One point of the curve scored against ``full`` (once per worker)."""
+    family, target, method = point
+    loaded = worker.loaded
+    ids = worker.memo("ids", lambda: load_inputs(
+        config, config.context + config.eval_tokens + 1, loaded)[1])
+    full = worker.memo("full", lambda: reference(loaded, ids, config))
+    scored = score(loaded.model, ids, method, config.context, config.chunk,
+                   backend=config.backend)
+    return [{"family": family, "target_bits": target, "setting": method.partition(":")[2],
+             "method": method, **summary(scored, full)}]
 
 
 def _plot(config: SweepConfig, rows: list[dict]) -> Path:

@@ -62,14 +62,21 @@ def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], co
     return results
 
 
-def finish(command: str, config: Any, loaded: LoadedModel, rows: list[dict], title: str,
+def reference(loaded: LoadedModel, ids: torch.Tensor, config: Any) -> Scored:
+    """The ``full`` cache's scores of the tokens, what every method is measured against."""
+    return score(loaded.model, ids, "full", config.context, config.chunk,
+                 backend=config.backend)
+
+
+def finish(command: str, config: Any, model: LoadedModel | dict, rows: list[dict], title: str,
            columns: dict[str, str], uses_data: bool = True, **extra: Any) -> Path | None:
-    """Print the table; with ``config.out`` write results.json and say where."""
-    print_table(f"kvmix {command} · {loaded.name} · {title}", rows, columns)
+    """Print the table; with ``config.out`` write results.json and say where. ``model``: the
+    loaded model, or what ``model_info`` said of it (a grid's workers hold it)."""
+    info = model if isinstance(model, dict) else model_info(model)
+    print_table(f"kvmix {command} · {info['name']} · {title}", rows, columns)
     if not config.out:
         return None
     data = {"data": {"name": config.data}} if uses_data else {}
-    path = write_results(config.out, command, config, rows, model=model_info(loaded),
-                         **data, **extra)
+    path = write_results(config.out, command, config, rows, model=info, **data, **extra)
     console.print(f"wrote {path}")
     return path

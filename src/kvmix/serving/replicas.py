@@ -31,6 +31,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
+from kvmix.evaluation.grid import reachable
 from kvmix.serving.launch import Scale, ServeConfig, build, check, planned_rows
 
 ROUTER = "kvmix.serving.replicas:FreePagesRouter"
@@ -166,14 +167,13 @@ def serve_on_ray(config: ServeConfig, scale: Scale, address: str | None,
     """Replicas on the Ray cluster at ``address`` (None: a local Ray for this process) behind
     Serve's proxy on ``config.host:config.port``, until SIGTERM/SIGINT; a cluster that cannot be
     reached, or a replica that cannot start, is a ValueError naming the cause."""
-    import os
     import signal
     import threading
 
     import ray
 
     app = application(config, scale)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    reachable(address)
     try:
         ray.init(address=address, include_dashboard=False, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as error:

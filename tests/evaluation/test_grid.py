@@ -1,0 +1,125 @@
+"""Evaluation grids on Ray, with a real local Ray (2 CPUs) started once for the module and shut
+down after it, every file it wrote removed: a grid on two workers gives the local grid's
+results; a grid stopped part-way resumes and computes only its missing cells; a failing cell is
+reported and the others kept. A tiny random model saved to a folder stands for the user's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("ray", reason="the ray extra is not installed")
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+import ray
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvmix.cli import main
+from kvmix.commands.compare import CompareConfig, run_compare
+from kvmix.models.loading import load_tokenizer
+
+LAYOUT = "sink=4,residual=16,group=8"
+METHODS = ["full", f"kivi2:{LAYOUT}", f"pnmix1:{LAYOUT}", "kivi2:value_group=64"]  # the last
+# cannot bind to head dim 32: it fails in its worker
+
+
+@pytest.fixture(scope="module")
+def model_folder():
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=1024)
+    folder = tempfile.mkdtemp(prefix="kvmix-model-")
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    temp = tempfile.mkdtemp(prefix="ray")  # every file Ray writes, removed afterwards
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def threads(count: int):
+    """torch's threads in this process, as a Ray worker of ``count`` CPUs has them (the sums
+    of a matmul follow the thread count)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def results(folder) -> dict:
+    """results.json's rows by method, timings left out."""
+    rows = json.loads((folder / "results.json").read_text())["rows"]
+    return {r["method"]: {k: v for k, v in r.items() if k != "seconds"} for r in rows}
+
+
+def config(model_folder, out, **extra) -> CompareConfig:
+    return CompareConfig(model=model_folder, methods=METHODS, context=64, eval_tokens=16,
+                         out=str(out), **extra)
+
+
+def test_a_grid_on_two_workers_equals_the_local_grid(local_ray, model_folder, tmp_path,
+                                                      capsys):
+    with threads(1):
+        run_compare(config(model_folder, tmp_path / "local"))
+    run_compare(config(model_folder, tmp_path / "ray", ray=True, workers=2))
+    local, on_ray = results(tmp_path / "local"), results(tmp_path / "ray")
+    assert on_ray == local and sorted(local) == sorted(METHODS[:3])
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps its lines
+    assert "kivi2:value_group=64 failed: ValueError: value_group=64" in said
+    info = json.loads((tmp_path / "ray" / "results.json").read_text())["model"]
+    assert info["name"] == model_folder and info["layers"] == 2
+
+
+def test_a_grid_stopped_part_way_resumes_only_its_missing_cells(local_ray, model_folder,
+                                                                 tmp_path, capsys):
+    """One cell's rows removed (the run stopped before it): the rerun keeps the others'
+    files as they were and computes that one only; the results are the same."""
+    run_compare(config(model_folder, tmp_path, ray=True))
+    cells = sorted((tmp_path / "cells").glob("*.json"))
+    assert len(cells) == 3  # the failed cell keeps no rows
+    before = {path: path.stat().st_mtime_ns for path in cells}
+    whole = results(tmp_path)
+    cells[1].unlink()
+    capsys.readouterr()
+    run_compare(config(model_folder, tmp_path, ray=True))
+    assert "2 of 4 cells done before" in " ".join(capsys.readouterr().err.split())
+    assert all(path.stat().st_mtime_ns == t for path, t in before.items() if path != cells[1])
+    assert cells[1].exists() and results(tmp_path) == whole
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--address", "127.0.0.1:6379"], "address goes with --ray"),
+    (["--ray", "--workers", "0"], "workers=0 is invalid"),
+    (["--ray", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
+    (["--ray", "--address", "nowhere"], "address='nowhere' is invalid"),
+])
+def test_bad_ray_settings_fail_before_any_work(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["compare", "--methods", "kivi2", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
