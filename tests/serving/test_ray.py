@@ -251,3 +251,52 @@ def test_the_serve_deploy_file_holds_the_application(model_folder):
     assert file["http_options"] == {"host": "127.0.0.1", "port": 8123}
     with pytest.raises(ValueError, match="valid methods"):
         deploy_config(replace(config, method="kivi9"), Scale())
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--replicas", "2"], "go with --ray or --ray-config"),
+    (["--ray", "--replicas", "2", "--min-replicas", "1"], "not both"),
+    (["--ray", "--min-replicas", "3", "--max-replicas", "2"], "min_replicas=3, max_replicas=2"),
+    (["--ray", "--replica-cpus", "0"], "cpus=0.0"),
+    (["--ray", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
+    (["--ray", "--method", "kivi9"], "valid methods"),
+])
+def test_bad_ray_settings_fail_before_any_work(argv, message, model_folder, capsys):
+    from kvmix.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", model_folder, "--memory", "300KB", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_without_the_extra_ray_is_refused_with_the_install_line(monkeypatch, capsys):
+    import importlib.util
+
+    from kvmix.cli import main
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.startswith("ray") else found(name, *a))
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--ray"])
+    assert exit_.value.code == 2 and "pip install 'kvmix[ray]'" in capsys.readouterr().err
+
+
+def test_the_ray_config_file_is_what_serve_deploy_takes(model_folder, tmp_path):
+    """``--ray-config`` writes the YAML; its import path builds the same deployment: the
+    router, the budget's concurrency, one replica per node, autoscaling bounds."""
+    import yaml
+
+    from kvmix.cli import main
+    from kvmix.serving.replicas import build_application
+
+    path = tmp_path / "serve.yaml"
+    main(["serve", "--model", model_folder, "--method", METHOD, "--memory", "300KB",
+          "--fit-prompt", "64", "--max-tokens", "24", "--min-replicas", "1",
+          "--max-replicas", "4", "--ray-config", str(path)])
+    app = yaml.safe_load(path.read_text())["applications"][0]
+    deployment = build_application(app["args"])._bound_deployment
+    config = deployment._deployment_config
+    assert config.max_ongoing_requests == 9  # the budget's rows
+    assert config.autoscaling_config.max_replicas == 4
+    assert config.request_router_config.request_router_class.endswith("FreePagesRouter")

@@ -13,7 +13,7 @@ from kvmix.commands.args import (
     config_from,
 )
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, reference
+from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, reference
 from kvmix.evaluation.report import console
 from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -47,6 +47,7 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     """Evaluate every method on the same tokens against the ``full`` cache: one cell per
     method (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
+    check_inputs(config)
     check_grid(config)
     for method in config.methods:
         parse_method(method)  # bad method strings fail before loading

@@ -23,7 +23,7 @@ from kvmix.evaluation.jobs import JobConfig, check_backend, finish
 from kvmix.evaluation.plots import line_plot, scatter_lines
 from kvmix.evaluation.report import console
 from kvmix.methods import parse_method
-from kvmix.models.loading import LoadedModel, max_positions
+from kvmix.models.loading import LoadedModel, load_config, load_tokenizer, max_positions
 
 COLUMNS = {"method": "method", "first_divergence_median": "1st divergence (median)",
            "survival_quarter": "identical @n/4", "survival_end": "identical @n",
@@ -63,6 +63,7 @@ def run_longgen(config: LonggenConfig, loaded: LoadedModel | None = None) -> lis
     _check(config)
     _chrf()
     check_grid(config)
+    _prompts(config, loaded)  # lengths beyond the model's positions fail before any work
     samples = _Samples(config)
     cells = [(method, tuple(todo[start : start + config.batch]))
              for method in config.methods
@@ -84,18 +85,21 @@ def longgen_cell(worker: Worker, config: LonggenConfig, cell: tuple) -> list[dic
     """One method on a batch of prompts: a record per prompt."""
     method, chosen = cell
     loaded = worker.loaded
-    prompts = worker.memo("prompts", lambda: _prompts(loaded, config))
+    prompts = worker.memo("prompts", lambda: _prompts(config, loaded))
     return _run(loaded, method, [prompts[i] for i in chosen], list(chosen), config,
                 worker.memo("chrf", _chrf), None)
 
 
-def _prompts(loaded: LoadedModel, config: LonggenConfig) -> list[list[int]]:
-    prompts = prompt_set(config.data, loaded.tokenizer, config.prompts, config.prompt_tokens)
+def _prompts(config: LonggenConfig, loaded: LoadedModel | None) -> list[list[int]]:
+    """The prompts' tokens, refused when the longest run exceeds the model's positions
+    (without ``loaded``: its tokenizer and configuration alone)."""
+    tokenizer = loaded.tokenizer if loaded else load_tokenizer(config.model)
+    positions = max_positions(loaded.model if loaded else load_config(config.model)[0])
+    prompts = prompt_set(config.data, tokenizer, config.prompts, config.prompt_tokens)
     longest = max(map(len, prompts)) + config.new_tokens
-    if longest > max_positions(loaded.model):
+    if longest > positions:
         raise ValueError(f"new_tokens={config.new_tokens} after a {longest - config.new_tokens}"
-                         f"-token prompt exceeds the model's {max_positions(loaded.model)} "
-                         "positions")
+                         f"-token prompt exceeds the model's {positions} positions")
     return prompts
 
 

@@ -26,7 +26,7 @@ from kvmix.commands.args import (
     config_from,
 )
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, reference
+from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, reference
 from kvmix.evaluation.plots import scatter_lines
 from kvmix.evaluation.scoring import check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -83,6 +83,7 @@ def add_parser(commands) -> None:
 def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[dict]:
     """One cell per point (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
+    check_inputs(config)
     check_grid(config)
     points = [(family, bits, method_at(family, bits, config.group))
               for family in config.families for bits in config.budgets]

@@ -41,6 +41,12 @@ def load_inputs(config: Any, n_tokens: int,
     return loaded, token_ids(loaded.tokenizer, text, n_tokens, f"data={config.data!r}")
 
 
+def check_inputs(config: Any) -> None:
+    """A bad backend name or data source is refused before any model loads."""
+    check_backend(config.backend)
+    load_text(config.data)
+
+
 def check_backend(backend: str | list[str]) -> None:
     for name in [backend] if isinstance(backend, str) else backend:
         if name not in BACKENDS:

@@ -162,8 +162,9 @@ def fingerprint(model) -> str:
 
 
 def max_positions(model) -> int:
-    """The longest sequence the model's positions cover (its config's limit)."""
-    config = model.config.get_text_config(decoder=True)
+    """The longest sequence the model's positions cover (its config's limit); ``model``: a
+    model or its configuration."""
+    config = getattr(model, "config", model).get_text_config(decoder=True)
     return int(getattr(config, "max_position_embeddings", None) or 2**31 - 1)
 
 
