@@ -260,10 +260,13 @@ def test_the_serve_deploy_file_holds_the_application(model_folder):
     (["--ray", "--replica-cpus", "0"], "cpus=0.0"),
     (["--ray", "--address", "127.0.0.1:1"], "no Ray cluster answers there"),
     (["--ray", "--method", "kivi9"], "valid methods"),
+    (["--ray", "--model", "/no/such/model"], "cannot be loaded"),
 ])
-def test_bad_ray_settings_fail_before_any_work(argv, message, model_folder, capsys):
+def test_bad_ray_settings_fail_before_any_work(argv, message, model_folder, capsys,
+                                               monkeypatch):
     from kvmix.cli import main
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--model", model_folder, "--memory", "300KB", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -74,7 +74,10 @@ def planned_rows(config: ServeConfig) -> int:
     from kvmix.serving.anchor import PAGE
     from kvmix.serving.budget import Budget
 
-    model_config, checkpoint = load_config(config.model)
+    try:
+        model_config, checkpoint = load_config(config.model)
+    except (OSError, ValueError) as error:
+        raise unloadable(config, error) from None
     arch = from_config(model_config.get_text_config(decoder=True).to_dict(), config.model)
     dtype = resolve_dtype(config.dtype, config.device, checkpoint)
     memory = parse_memory(config.memory)
@@ -101,9 +104,7 @@ def build(config: ServeConfig) -> tuple[Any, Any, str]:
     try:
         loaded = load_model(config.model, config.dtype, config.device)
     except (OSError, ValueError) as error:
-        raise ValueError(f"model={config.model!r} cannot be loaded ({error}); valid: 'smollm2' "
-                         "(the offline default), a transformers model folder, a .gguf file, or "
-                         "a hub id when the hub is reachable") from None
+        raise unloadable(config, error) from None
     if method is None:
         manager = TransformersManager(loaded.model, memory, config.max_tokens,
                                       config.max_batch_tokens)
@@ -111,6 +112,12 @@ def build(config: ServeConfig) -> tuple[Any, Any, str]:
         manager = KVMixManager(loaded.model, method, memory, config.backend, config.max_tokens,
                                config.max_batch_tokens, config.fit_prompt + config.max_tokens)
     return manager, loaded.tokenizer, fit_line(manager, config, memory)
+
+
+def unloadable(config: ServeConfig, error: Exception) -> ValueError:
+    return ValueError(f"model={config.model!r} cannot be loaded ({error}); valid: 'smollm2' "
+                      "(the offline default), a transformers model folder, a .gguf file, or a "
+                      "hub id when the hub is reachable")
 
 
 def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
