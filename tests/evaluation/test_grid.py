@@ -8,8 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 
 import pytest
 import torch
@@ -18,7 +16,7 @@ pytest.importorskip("ray", reason="the ray extra is not installed")
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import ray
-from transformers import LlamaConfig, LlamaForCausalLM
+from conftest import ray_files, saved_model
 
 from kvmix.cli import main
 from kvmix.commands.compare import CompareConfig, run_compare
@@ -31,33 +29,18 @@ METHODS = ["full", f"kivi2:{LAYOUT}", f"pnmix1:{LAYOUT}", "kivi2:value_group=64"
 
 @pytest.fixture(scope="module")
 def model_folder():
-    tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=1024)
-    folder = tempfile.mkdtemp(prefix="kvmix-model-")
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
+    with saved_model(load_tokenizer("smollm2")) as folder:
+        yield folder
 
 
 @pytest.fixture(scope="module")
 def local_ray():
-    temp = tempfile.mkdtemp(prefix="ray")  # every file Ray writes, removed afterwards
-    before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = before
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_files():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        try:
+            yield
+        finally:
+            ray.shutdown()
 
 
 @contextlib.contextmanager

@@ -8,9 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import socket
-import tempfile
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -23,9 +21,10 @@ pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import ray
+from conftest import ray_files, saved_model
 from ray import serve
 from ray.cluster_utils import Cluster
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import kvmix
 from kvmix.models.loading import load_tokenizer
@@ -45,33 +44,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model_folder(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id)
-    folder = tempfile.mkdtemp(prefix="kvmix-model-")
-    LlamaForCausalLM(config).eval().save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def ray_files():
-    """Every file Ray writes (sessions, sockets, the address of the current cluster) in a
-    folder of its own, removed afterwards (short: Ray's socket paths must stay short)."""
-    temp = tempfile.mkdtemp(prefix="ray")
-    before = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = temp
-    try:
-        yield temp
-    finally:
-        if before is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = before
-        shutil.rmtree(temp, ignore_errors=True)
+    with saved_model(tokenizer) as folder:
+        yield folder
 
 
 @pytest.fixture(scope="module")

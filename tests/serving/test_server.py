@@ -22,8 +22,8 @@ import httpx
 import openai
 import pytest
 import torch
+from conftest import served_llama
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import kvmix
 from kvmix.cli import main
@@ -46,12 +46,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def model(tokenizer):
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=32, max_position_embeddings=1024,
-                         eos_token_id=tokenizer.eos_token_id)
-    return LlamaForCausalLM(config).eval()
+    return served_llama(tokenizer)
 
 
 @contextlib.contextmanager
