@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint clean engine-check
+.PHONY: run test lint clean engine engine-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,15 +26,17 @@ test: $(STAMP)
 	$(BIN)/ruff check src tests
 	$(BIN)/python -m pytest -q
 
-# Not in CI: llama-cpp-python builds from source (about 10 minutes on 2 cores). llama.cpp with
-# each K/V cache type beside kvmix's ggml method with the same types (scripts/engine_check.py).
-# llama.cpp for this CPU's AVX-512/VNNI/BF16 but without AMX: these VMs list AMX and fault on it
-# (a native build dies with "Illegal instruction").
-LLAMA_CMAKE := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON \
-	-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
-engine-check: $(STAMP)
-	CMAKE_ARGS="$(LLAMA_CMAKE)" $(BIN)/pip install --quiet -e '.[engine]'
+# Not in CI (about 25 minutes on 2 cores, once): llama.cpp as vendored by the engine extra's
+# llama-cpp-python, built with runtime CPU dispatch (every x86 variant, the best one the CPU
+# supports loaded at start; no ISA flag guessed) into $KVMIX_CACHE/llama.cpp (~/.cache/kvmix):
+# llama-server for `kvmix loadtest --methods ...,llama.cpp:f16`, and the libraries the Python
+# bindings load (installed without building their own: LLAMA_BUILD=OFF).
+engine: $(STAMP)
+	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(BIN)/pip install --quiet -e '.[engine]'
+	$(BIN)/python -m kvmix.evaluation.llamacpp
+
+# llama.cpp with each K/V cache type beside kvmix's ggml method with the same types.
+engine-check: engine
 	$(BIN)/python scripts/engine_check.py --out results/engine-check
 
 lint: $(STAMP)

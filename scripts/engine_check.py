@@ -1,7 +1,7 @@
-"""The engine cross-check (``make engine-check``; not in CI: llama-cpp-python builds for about
-10 minutes on 2 cores): the same tokens of the bundled prose through llama.cpp with each
-``--cache-type-k/-v`` pair and through kvmix's ``ggml`` method with the same types, side by
-side — perplexity of the second half and token KL against each side's own f16 cache.
+"""The engine cross-check (``make engine-check``; not in CI: ``make engine`` builds llama.cpp
+for about 25 minutes on 2 cores, once): the same tokens of the bundled prose through llama.cpp
+with each ``--cache-type-k/-v`` pair and through kvmix's ``ggml`` method with the same types,
+side by side — perplexity of the second half and token KL against each side's own f16 cache.
 
 llama.cpp runs the default model's GGUF (its Q4_1 weights, quantized matmuls) and scores the
 whole text as one batch, every token attending over the quantized cache; kvmix runs the same file
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvmix.evaluation import llamacpp
 from kvmix.evaluation.data import load_text, token_ids
 from kvmix.evaluation.report import print_table, write_results
 from kvmix.evaluation.scoring import score, token_kl
@@ -40,21 +41,17 @@ from kvmix.models.loading import load_model, smollm2_location
 
 PAIRS = [("f16", "f16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"),
          ("q4_0", "q8_0"), ("q4_0", "q4_0"), ("q5_1", "q5_1"), ("q4_1", "q4_1")]
-GGML_TYPE_BF16 = 30  # ggml.h; llama-cpp-python 0.3.36 exports no constant for it
 COLUMNS = {"k": "K", "v": "V", "engine_ppl": "llama.cpp ppl", "kvmix_ppl": "kvmix ppl",
            "engine_kl": "llama.cpp KL", "kvmix_kl": "kvmix KL", "kl_ratio": "kvmix/engine"}
 
 
 def engine_logprobs(ids: list[int], k: str, v: str, context: int, threads: int) -> torch.Tensor:
     """llama.cpp's next-token log-probabilities at positions context..T-2: [N, V]."""
-    import llama_cpp
-
     folder, gguf = smollm2_location()
-    kinds = {name: getattr(llama_cpp, f"GGML_TYPE_{name.upper()}", GGML_TYPE_BF16)
-             for name in (k, v)}
-    llm = llama_cpp.Llama(model_path=str(Path(folder) / gguf), n_ctx=len(ids) + 16,
-                          n_batch=len(ids), n_ubatch=512, logits_all=True, flash_attn=True,
-                          type_k=kinds[k], type_v=kinds[v], n_threads=threads, verbose=False)
+    llm = llamacpp.bindings().Llama(
+        model_path=str(Path(folder) / gguf), n_ctx=len(ids) + 16, n_batch=len(ids),
+        n_ubatch=512, logits_all=True, flash_attn=True, type_k=llamacpp.ggml_type(k),
+        type_v=llamacpp.ggml_type(v), n_threads=threads, verbose=False)
     llm.eval(ids)
     logits = torch.from_numpy(np.array(llm.scores[context : len(ids) - 1], dtype=np.float32))
     del llm
@@ -124,10 +121,9 @@ def main() -> None:
                "within_20_percent": [abs(r["kl_ratio"] - 1) <= 0.2 for r in quantized],
                "engine_floor_kl": rows[1]["engine_kl"], "kvmix_bf16_kl": rows[1]["kvmix_kl"]}
     print(json.dumps(summary))
-    import llama_cpp
-
     write_results(args.out, "engine-check", vars(args), rows, summary=summary,
-                  engine={"llama_cpp_python": llama_cpp.__version__},
+                  engine={"llama_cpp_python": llamacpp.bindings().__version__,
+                          "build": llamacpp.server_version()},
                   model={"name": loaded.name, "source": loaded.source})
 
 

@@ -5,12 +5,17 @@ For every prompt length: prefill every cache, then time greedy single-token deco
 them in interleaved rounds (``--rounds``; the median round counts), so that a busy machine slows
 every cache alike:
 transformers' ``DynamicCache`` (``dynamic``) and ``QuantizedCache`` (``quanto2``, ``quanto4``,
-``hqq2``, ``hqq4``), then every kvmix method on every backend. ``vs_dynamic`` is tokens/s over
-DynamicCache's at the same prompt in the same run. Memory is the allocator's bytes in use
-(``kvmix.evaluation.resources``): ``steady_bytes`` held after prefill and warmup above those in
-use just before the cache was made, ``peak_bytes`` that plus the largest rise while decoding
-(what a step materialises: a float history, a concatenation); ``nbytes`` is
-what the cache itself reports (for transformers' caches, the storages reachable from them).
+``hqq2``, ``hqq4``), llama.cpp's own decode through its Python bindings on the same GGUF
+(``llama.cpp:TYPE`` or ``llama.cpp:K/V``, flash attention, the same threads; one build for
+any x86 CPU, ``kvmix.evaluation.llamacpp``), then every kvmix method on every backend.
+``vs_dynamic`` is tokens/s over DynamicCache's at the same prompt in the same run. Memory is
+the allocator's bytes in use (``kvmix.evaluation.resources``): ``steady_bytes`` held after
+prefill and warmup above those in use just before the cache was made, ``peak_bytes`` that plus
+the largest rise while decoding (what a step materialises: a float history, a concatenation);
+``nbytes`` is what the cache itself reports (for transformers' caches, the storages reachable
+from them; for llama.cpp, the cache it allocates for its context). llama.cpp's memory deltas
+hold what its context takes from the heap (cache, compute buffers, vocabulary), not its mapped
+weights; it runs the GGUF's own quantized weights where kvmix runs them dequantized.
 ``select_s`` is the prefill time spent in channel selection (PN-Mix, Kitty, ChanMix).
 
 ``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches of
@@ -39,7 +44,7 @@ from rich.progress import Progress
 
 from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.core.memory import reachable_bytes
-from kvmix.evaluation import opbench, throughput
+from kvmix.evaluation import llamacpp, opbench, throughput
 from kvmix.evaluation.data import load_text
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
 from kvmix.evaluation.planner import parse_memory
@@ -47,7 +52,7 @@ from kvmix.evaluation.plots import scatter_lines
 from kvmix.evaluation.report import console, print_table, write_results
 from kvmix.evaluation.resources import PeakMemory, heap_bytes
 from kvmix.methods import parse_method
-from kvmix.models.loading import LoadedModel, resolve_dtype
+from kvmix.models.loading import LoadedModel, gguf_path, resolve_dtype
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.baselines import BASELINES, transformers_cache
 from kvmix.runtime.folding import prepare_model
@@ -62,6 +67,7 @@ THROUGHPUT_COLUMNS = {"method": "method", "backend": "backend", "group": "group"
                       "max_batch": "max batch", "per_sequence_bytes": "bytes/seq",
                       "cache_bytes": "cache bytes", "peak_bytes": "peak Δ",
                       "prefill_s": "prefill s"}
+ENGINE = "llama.cpp:"
 OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "batch": "batch",
               "us_per_step": "µs/layer-step", "gb_per_s": "GB/s",
               "limit_us": "µs at copy bandwidth", "of_limit": "of limit", "vs_sdpa": "vs SDPA",
@@ -90,8 +96,9 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("bench", help="decode speed and memory vs transformers' caches")
     add_job_arguments(parser, BenchConfig(), backend=False)
     parser.add_argument("--baselines", default="dynamic",
-                        help=f"transformers caches to run beside ({', '.join(BASELINES)}; "
-                             "'' for none)")
+                        help=f"caches to run beside: transformers' ({', '.join(BASELINES)}), "
+                             "llama.cpp:TYPE or llama.cpp:K/V (e.g. llama.cpp:q4_0); '' for "
+                             "none")
     parser.add_argument("--prompt", default="1024", help="prompt lengths, e.g. 1024,7680")
     parser.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
                         help="timed greedy decode steps")
@@ -123,9 +130,11 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
         return _run_shape(config)
     if config.throughput:
         return _run_throughput(config, loaded)
+    engines = _engines(config)
     loaded, ids = load_inputs(config, max(config.prompt), loaded)
     backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
-    builds = [(b, "-", partial(_baseline, b)) for b in config.baselines]
+    builds = [(b, "-", partial(_baseline, b)) for b in config.baselines if b not in engines]
+    builds += [(b, "-", partial(_engine, b, config)) for b in engines]
     builds += [(m, b, partial(_kvmix, m, b)) for m in config.methods for b in backends]
     rows = []
     with Progress(console=console, transient=True) as bar:
@@ -239,9 +248,18 @@ def _check(config: BenchConfig) -> None:
         if config.tokens < 0 or len(config.prompt) != 1:
             raise ValueError(f"--throughput takes one prompt length and tokens >= 0; got "
                              f"prompt={config.prompt}, tokens={config.tokens}")
-    unknown = sorted(set(config.baselines) - set(BASELINES))
+    engines = [b for b in config.baselines if b.startswith(ENGINE)]
+    unknown = sorted(set(config.baselines) - set(BASELINES) - set(engines))
     if unknown:
-        raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}")
+        raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}, "
+                         "llama.cpp:TYPE")
+    for engine in engines:
+        llamacpp.parse_types(engine)
+    if engines and (config.shape or config.throughput):
+        raise ValueError(f"baselines {engines}: llama.cpp decodes in the per-prompt bench, not "
+                         "with --shape or --throughput (kvmix loadtest serves it under load)")
+    if engines:
+        gguf_path(config.model)
     for backend in config.backend:
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r} is invalid; valid: {', '.join(BACKENDS)}")
@@ -308,6 +326,29 @@ def _kvmix(method: str, backend: str, model) -> tuple[Any, Any, list[float]]:
     runner = prepare_model(model, method)
     cache = make_cache(runner, method, backend=backend)
     return runner, cache, _time_selection(cache.method)
+
+
+def _engines(config: BenchConfig) -> list[str]:
+    """The llama.cpp baselines that can run here; one whose bindings are missing is reported
+    and left out, and the other rows still run."""
+    engines = [b for b in config.baselines if b.startswith(ENGINE)]
+    try:
+        if engines:
+            llamacpp.bindings()
+    except llamacpp.EngineMissing as error:
+        console.print(f"[red]{', '.join(engines)} left out: {error}[/red]")
+        config.baselines = [b for b in config.baselines if b not in engines]
+        return []
+    return engines
+
+
+def _engine(name: str, config: BenchConfig, model) -> tuple[Any, Any, list[float]]:
+    """llama.cpp on the same GGUF with room for the longest prompt and every decode step."""
+    steps = -(-config.new_tokens // config.rounds) * config.rounds + config.warmup + 8
+    decoder = llamacpp.Decoder(gguf_path(config.model), model.config,
+                               *llamacpp.parse_types(name), max(config.prompt) + steps,
+                               torch.get_num_threads())
+    return decoder, decoder, [0.0]
 
 
 def _baseline(name: str, model) -> tuple[Any, Any, list[float]]:

@@ -1,13 +1,17 @@
 """``kvmix loadtest``: streamed completions at several concurrency levels against a server —
-one given by ``--url``, or one ``kvmix serve`` per method it starts itself (a subprocess on
-127.0.0.1, the same ``--memory`` for every method; ``transformers`` is transformers' own paged
-float cache) — with requests/s, output tokens/s, time to first token and per output token
-(p50/p99), failures, and the most requests running and cache bytes held at once, side by side
-in ``results.json`` and plots."""
+one given by ``--url``, or one server per method it starts itself (a subprocess on 127.0.0.1,
+the same ``--memory`` for every method): ``kvmix serve`` for a kvmix method, ``transformers``
+for transformers' own paged float cache, ``llama.cpp:TYPE`` (or ``llama.cpp:K/V``) for
+llama.cpp's own ``llama-server`` on the same GGUF with that cache type and the most slots whose
+cache fits the budget (``kvmix.evaluation.llamacpp``) — with requests/s, output tokens/s, time to
+first token and per output token (p50/p99), failures, and the most requests running and cache
+bytes held at once, side by side in ``results.json`` and plots. A llama.cpp server that is not
+built or does not come up is reported in its row; the other servers still run."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.metadata
 import os
 import socket
@@ -20,8 +24,10 @@ from pathlib import Path
 import httpx
 
 from kvmix.commands.args import config_from
+from kvmix.evaluation import llamacpp
 from kvmix.evaluation.data import prompt_set
 from kvmix.evaluation.loadtest import run_level, summary
+from kvmix.evaluation.planner import parse_memory
 from kvmix.evaluation.plots import scatter_lines
 from kvmix.evaluation.report import console, print_table, write_results
 
@@ -30,7 +36,9 @@ COLUMNS = {"method": "method", "concurrency": "concurrency", "requests": "reques
            "output_tokens_per_s": "output tok/s", "ttft_p50_s": "TTFT p50 s",
            "ttft_p99_s": "TTFT p99 s", "tpot_p50_ms": "ms/token p50",
            "tpot_p99_ms": "ms/token p99", "peak_running": "most running",
-           "peak_cache_mb": "peak cache MB"}
+           "slots": "slots", "peak_cache_mb": "peak cache MB"}
+ENGINE = "llama.cpp:"
+RUNNING = ("kvmix:num_requests_running", "llamacpp:requests_processing")  # /metrics gauges
 
 
 @dataclass
@@ -57,7 +65,8 @@ def add_parser(commands) -> None:
     defaults = LoadtestConfig()
     parser.add_argument("--url", default=None, help="a running server (else one per method)")
     parser.add_argument("--methods", default=",".join(defaults.methods),
-                        help="servers to start: kvmix methods, 'transformers' (its own cache)")
+                        help="servers to start: kvmix methods, 'transformers' (its own cache), "
+                             "llama.cpp:TYPE or llama.cpp:K/V (llama-server, e.g. llama.cpp:f16)")
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--memory", default=defaults.memory, help="every server's KV budget")
     parser.add_argument("--concurrency", default="1,8,32")
@@ -82,27 +91,39 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
     tokenizer = load_tokenizer(config.model)
     texts = [tokenizer.decode(ids) for ids in prompt_set(config.data, tokenizer, max(counts),
                                                          config.prompt)]
+    plans = _slot_plans(config, tokenizer, texts)
     rows = []
     for method in [None] if config.url else config.methods:
-        with _server(config, method) as url:
-            for concurrency, count in zip(config.concurrency, counts, strict=True):
-                outcomes, wall, peaks = asyncio.run(run_level(
-                    url, texts[:count], config.tokens, concurrency, config.timeout,
-                    config.temperature))
-                rows.append({"method": method or config.url, "resolved": _resolved(method),
-                             "concurrency": concurrency,
-                             **summary(outcomes, wall),
-                             "peak_running": peaks.get("kvmix:num_requests_running"),
-                             "peak_cache_mb": peaks.get("kvmix:cache_peak_bytes", 0) / 1e6,
-                             "errors": sorted({o.error for o in outcomes if o.error})[:5]})
-                console.print(f"{rows[-1]['method']} · concurrency {concurrency}: "
-                              f"{rows[-1]['output_tokens_per_s']:.1f} output tok/s, "
-                              f"{rows[-1]['failures']} failed")
+        try:
+            with _server(config, method, plans.get(method)) as (url, facts):
+                for concurrency, count in zip(config.concurrency, counts, strict=True):
+                    outcomes, wall, peaks = asyncio.run(run_level(
+                        url, texts[:count], config.tokens, concurrency, config.timeout,
+                        config.temperature))
+                    rows.append(_row(method or config.url, concurrency, outcomes, wall, peaks,
+                                     facts))
+                    console.print(f"{rows[-1]['method']} · concurrency {concurrency}: "
+                                  f"{rows[-1]['output_tokens_per_s']:.1f} output tok/s, "
+                                  f"{rows[-1]['failures']} failed")
+        except llamacpp.EngineMissing as error:
+            console.print(f"[red]{method}: {error}[/red]")
+            rows.append({"method": method, "error": str(error)})
     print_table(f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt} + "
                 f"{_tokens(config)} tokens · temperature {config.temperature:g}", rows, COLUMNS)
     if config.out:
         _write(config, rows)
     return rows
+
+
+def _row(method: str, concurrency: int, outcomes: list, wall: float, peaks: dict[str, float],
+         facts: dict) -> dict:
+    """One level's figures: the client's summary, the server's peaks and what the server is."""
+    cache = facts.get("cache_bytes") or peaks.get("kvmix:cache_peak_bytes", 0)
+    return {"method": method, "concurrency": concurrency, **summary(outcomes, wall),
+            "peak_running": max((peaks[name] for name in RUNNING if name in peaks),
+                                default=None),
+            "peak_cache_mb": cache / 1e6, **facts,
+            "errors": sorted({o.error for o in outcomes if o.error})[:5]}
 
 
 def _resolved(method: str | None) -> str | None:
@@ -117,6 +138,24 @@ def _resolved(method: str | None) -> str | None:
     return repr(parse_method(method))
 
 
+def _slot_plans(config: LoadtestConfig, tokenizer, texts: list[str]
+                ) -> dict[str, llamacpp.SlotPlan]:
+    """Each llama.cpp row's slots within ``--memory``, each request counted as llama.cpp
+    tokenizes the prompt text again (with its BOS) plus the most output tokens; ValueError
+    before any server starts when no slot fits."""
+    from kvmix.models.loading import load_config
+
+    engines = [m for m in config.methods if m.startswith(ENGINE)] if not config.url else []
+    if not engines:
+        return {}
+    model_config, _ = load_config(config.model)
+    prompt = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts)
+    per_request = prompt + 1 + max(config.tokens)
+    return {m: llamacpp.plan_slots(model_config, *llamacpp.parse_types(m),
+                                   parse_memory(config.memory), per_request,
+                                   max(config.concurrency)) for m in engines}
+
+
 def _counts(config: LoadtestConfig) -> list[int]:
     counts = config.requests * len(config.concurrency) if len(config.requests) == 1 \
         else config.requests
@@ -129,6 +168,14 @@ def _counts(config: LoadtestConfig) -> list[int]:
             raise ValueError(f"{name}={values} is invalid; expected integers >= 1")
     if not 0 <= config.temperature <= 2:
         raise ValueError(f"temperature={config.temperature} is invalid; expected 0 to 2")
+    engines = [m for m in config.methods if m.startswith(ENGINE)] if not config.url else []
+    for method in engines:
+        llamacpp.parse_types(method)
+    if engines:
+        from kvmix.models.loading import gguf_path
+
+        parse_memory(config.memory)
+        gguf_path(config.model)
     return counts
 
 
@@ -143,16 +190,37 @@ def _version(package: str) -> str | None:
         return None
 
 
-class _server:
-    """``kvmix serve`` for ``method`` on a free port of 127.0.0.1 (or the given URL), until
-    the block ends."""
+@contextlib.contextmanager
+def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan | None):
+    """The server a row measures, until the block ends -> (its URL, what the row records about
+    it): the given URL, llama-server for a llama.cpp row, else ``kvmix serve``."""
+    if method is None:
+        yield config.url, {}
+    elif plan is not None:
+        import torch
 
-    def __init__(self, config: LoadtestConfig, method: str | None):
+        from kvmix.models.loading import gguf_path
+
+        log = Path(config.out or ".") / "logs" / f"{method.replace('/', '-')}.log"
+        server = llamacpp.LlamaServer(gguf_path(config.model), plan, torch.get_num_threads(),
+                                      log)
+        with server as url:
+            yield url, {"slots": plan.slots, "cache_bytes": server.reported_bytes,
+                        "planned_cache_bytes": plan.bytes,
+                        "resolved": " ".join(server.command(0)[1:]),
+                        "engine": llamacpp.server_version()}
+    else:
+        with _kvmix_server(config, method) as url:
+            yield url, {"resolved": _resolved(method)}
+
+
+class _kvmix_server:
+    """``kvmix serve`` for ``method`` on a free port of 127.0.0.1, until the block ends."""
+
+    def __init__(self, config: LoadtestConfig, method: str):
         self.config, self.method, self.process = config, method, None
 
     def __enter__(self) -> str:
-        if self.method is None:
-            return self.config.url
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
@@ -190,11 +258,12 @@ def _write(config: LoadtestConfig, rows: list[dict]) -> None:
                              ("ttft_p50_s", "time to first token p50 (s)", "ttft.png")):
         series = {}
         for row in rows:
-            series.setdefault(row["method"], []).append((row["concurrency"], row[key]))
+            if "error" not in row:
+                series.setdefault(row["method"], []).append((row["concurrency"], row[key]))
         plots.append(str(scatter_lines(out / name, series, "concurrent clients", label,
                                        f"{config.model} · {config.memory} KV · "
                                        f"{config.prompt} + {_tokens(config)} tokens")))
     path = write_results(out, "loadtest", config, rows, plots=plots,
                          client={name: _version(name) for name in ("httpx", "fastapi", "uvicorn",
-                                                                    "openai")})
+                                                                    "openai", "llama_cpp_python")})
     console.print(f"wrote {path}")

@@ -117,6 +117,16 @@ def checkpoint_dtype(folder: str, **extra) -> torch.dtype | None:
     return declared if isinstance(declared, torch.dtype) else None
 
 
+def gguf_path(name: str) -> Path:
+    """The GGUF file that ``name`` stands for (the default model's, or a ``.gguf`` path);
+    ValueError naming why for a transformers id or folder."""
+    folder, gguf = _locate(name)
+    if gguf is None:
+        raise ValueError(f"model={name!r} is not a GGUF file; llama.cpp runs GGUF files only "
+                         "(the default model, or --model path/to/model.gguf)")
+    return Path(folder) / gguf
+
+
 def _locate(name: str) -> tuple[str, str | None]:
     if name == DEFAULT_MODEL:
         return smollm2_location()

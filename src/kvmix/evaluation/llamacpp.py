@@ -1,0 +1,282 @@
+"""llama.cpp as an anchor beside kvmix: one build of the llama.cpp that the ``engine`` extra's
+llama-cpp-python vendors, correct on any x86 CPU, and what runs on it.
+
+The build (``make engine``; ``python -m kvmix.evaluation.llamacpp``) takes llama-cpp-python's
+source release from the package index, configures its ``vendor/llama.cpp`` with runtime CPU
+dispatch (``GGML_BACKEND_DL`` + ``GGML_CPU_ALL_VARIANTS``: one ``libggml-cpu-<variant>.so`` per
+x86 level, the best one the CPU supports loaded at start, no ISA flag guessed) and builds
+``llama-server`` with the shared libraries into ``$KVMIX_CACHE/llama.cpp/<version>/build/bin``.
+The Python bindings load the same libraries (``LLAMA_CPP_LIB_PATH``), so ``llama-server`` and
+``kvmix bench``'s batch-1 rows run one build.
+
+Bytes per cached token follow ``ggml_row_size`` of each side's type over the model's
+``n_embd_k_gqa``/``n_embd_v_gqa``; a slot's context is the request's tokens rounded up to
+llama.cpp's cell padding (``SLOT_PAD``), so the slot count is the largest whose cache fits a
+budget.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import re
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+VERSION = "0.3.36"  # llama-cpp-python, as the engine extra pins it
+INSTALL = (f"pip install 'llama-cpp-python=={VERSION}' (or make engine, which also builds "
+           "llama-server)")
+BUILD_HINT = "make engine (python -m kvmix.evaluation.llamacpp)"
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_NATIVE=OFF",
+               "-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON", "-DLLAMA_BUILD_SERVER=ON",
+               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+               "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"]
+CELL_PAD = 256  # llama_context pads n_ctx to a multiple of 256 cells
+GGML_TYPE_BF16 = 30  # ggml.h
+START_TIMEOUT = 120.0  # seconds llama-server may take to load and answer /health
+# ggml's cache types: (elements per block, bytes per block), ggml.c's type traits.
+TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+         "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18)}
+
+
+class EngineMissing(RuntimeError):
+    """llama.cpp is not installed or not built here; the message says what to run."""
+
+
+def root() -> Path:
+    return Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix")) / "llama.cpp" \
+        / VERSION
+
+
+def bin_dir() -> Path:
+    return root() / "build" / "bin"
+
+
+def server_binary() -> Path:
+    """The built ``llama-server``; EngineMissing naming the build command when absent."""
+    binary = bin_dir() / "llama-server"
+    if not binary.is_file():
+        raise EngineMissing(f"llama-server is not built (looked for {binary}); run {BUILD_HINT}")
+    return binary
+
+
+@functools.cache
+def server_version() -> str:
+    """``llama-server --version``: the llama.cpp build number, commit and compiler."""
+    answer = subprocess.run([str(server_binary()), "--version"], capture_output=True,
+                            text=True, timeout=60)
+    return " ".join((answer.stdout + answer.stderr).split())
+
+
+def build(jobs: int | None = None) -> Path:
+    """Download llama-cpp-python's source release, configure its vendored llama.cpp with
+    runtime CPU dispatch and build ``llama-server`` (about 25 minutes on 2 cores, once)."""
+    source = _vendored_source()
+    build_dir = root() / "build"
+    log = root() / "build.log"
+    with log.open("w") as out:
+        for command in (["cmake", "-S", str(source), "-B", str(build_dir), *CMAKE_FLAGS],
+                        ["cmake", "--build", str(build_dir), "--target", "llama-server",
+                         "--parallel", str(jobs or os.cpu_count() or 1)]):
+            if subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode:
+                raise EngineMissing(f"llama.cpp build failed: {' '.join(command[:2])}; "
+                                    f"its output is in {log}")
+    return server_binary()
+
+
+def _vendored_source() -> Path:
+    """``vendor/llama.cpp`` of llama-cpp-python's source release, downloaded once."""
+    source = root() / "src" / f"llama_cpp_python-{VERSION}"
+    if not (source / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        (root() / "src").mkdir(parents=True, exist_ok=True)
+        download = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--no-binary", ":all:", f"llama-cpp-python=={VERSION}", "-d",
+                    str(root() / "src")]
+        if subprocess.run(download).returncode:
+            raise EngineMissing(f"could not download llama-cpp-python=={VERSION}'s source "
+                                "release from the package index")
+        with tarfile.open(root() / "src" / f"llama_cpp_python-{VERSION}.tar.gz") as archive:
+            archive.extractall(root() / "src", filter="data")
+    return source / "vendor" / "llama.cpp"
+
+
+@functools.cache
+def bindings() -> Any:
+    """``llama_cpp`` (the engine extra), on this build's libraries when it is built (every CPU
+    variant registered from ``bin_dir()``), else on the libraries it was installed with."""
+    if (bin_dir() / "libllama.so").is_file():
+        os.environ.setdefault("LLAMA_CPP_LIB_PATH", str(bin_dir()))
+    try:
+        import llama_cpp
+    except ImportError as error:
+        raise EngineMissing(f"llama.cpp's Python bindings are not installed ({error}); run "
+                            f"{INSTALL}") from error
+    if Path(os.environ.get("LLAMA_CPP_LIB_PATH", "")) == bin_dir():
+        ggml = ctypes.CDLL(str(bin_dir() / "libggml.so"), mode=ctypes.RTLD_GLOBAL)
+        ggml.ggml_backend_load_all_from_path(str(bin_dir()).encode())
+    return llama_cpp
+
+
+def ggml_type(name: str) -> int:
+    """The bindings' ``GGML_TYPE_*`` number of a cache type (bf16: ggml.h's, which
+    llama-cpp-python 0.3.36 does not export)."""
+    return getattr(bindings(), f"GGML_TYPE_{name.upper()}", GGML_TYPE_BF16)
+
+
+class Decoder:
+    """llama.cpp's batch-1 decode through the Python bindings, called as ``kvmix bench`` calls a
+    model: ``decoder(ids [1, T]) -> .logits [1, 1, V]`` (the last position) with the context of
+    ``context`` tokens as its cache; ``nbytes()`` is the cache llama.cpp allocates for it."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, gguf: Path, config: Any, k: str, v: str, context: int, threads: int):
+        self.llm = bindings().Llama(
+            model_path=str(gguf), n_ctx=context, n_batch=512, n_ubatch=512, flash_attn=True,
+            type_k=ggml_type(k), type_v=ggml_type(v), n_threads=threads,
+            n_threads_batch=threads, verbose=False)
+        self.cache_bytes = self.llm.n_ctx() * cache_bytes_per_token(config, k, v)
+
+    def __call__(self, ids: torch.Tensor, **_: Any) -> SimpleNamespace:
+        self.llm.eval(ids[0].tolist())
+        last = np.asarray(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
+        return SimpleNamespace(logits=torch.from_numpy(last)[None, None])  # [1, 1, V]
+
+    def nbytes(self) -> int:
+        return self.cache_bytes
+
+
+def cache_bytes_per_token(config: Any, k: str, v: str) -> int:
+    """Bytes llama.cpp's cache holds per token at these K/V types: ``ggml_row_size`` of each
+    side over every layer's ``n_embd_k_gqa``/``n_embd_v_gqa`` (a transformers config)."""
+    config = config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    width = config.num_key_value_heads * head_dim
+    per_layer = sum(_row_bytes(kind, width) for kind in (k, v))
+    return config.num_hidden_layers * per_layer
+
+
+def _row_bytes(kind: str, elements: int) -> int:
+    block, size = TYPES[kind]
+    return elements // block * size
+
+
+def parse_types(setting: str) -> tuple[str, str]:
+    """``llama.cpp:TYPE`` or ``llama.cpp:K/V`` -> (K type, V type); ValueError naming the valid
+    types."""
+    kinds = setting.removeprefix("llama.cpp:").split("/")
+    if len(kinds) == 1:
+        kinds *= 2
+    if len(kinds) != 2 or any(kind not in TYPES for kind in kinds):
+        raise ValueError(f"method={setting!r} is invalid; expected llama.cpp:TYPE or "
+                         f"llama.cpp:K/V with types {', '.join(TYPES)}")
+    return kinds[0], kinds[1]
+
+
+@dataclass
+class SlotPlan:
+    """llama-server's slots within a budget: one unified cache of ``cells`` tokens
+    (``-c cells -np slots -kvu``) that holds ``slots`` requests of ``per_request`` tokens."""
+
+    k: str
+    v: str
+    slots: int
+    per_request: int
+    cells: int
+    bytes: int  # the cache llama.cpp allocates: cells x bytes per token
+
+
+def plan_slots(config: Any, k: str, v: str, budget: int, per_request: int,
+               most: int) -> SlotPlan:
+    """The most slots (at most ``most``) whose cache fits ``budget`` bytes, the context rounded
+    up to llama.cpp's 256 cells (``GGML_PAD(n_ctx, 256)``); ValueError when none fits."""
+    per_token = cache_bytes_per_token(config, k, v)
+    for slots in range(most, 0, -1):
+        cells = -(-slots * per_request // CELL_PAD) * CELL_PAD
+        if cells * per_token <= budget:
+            return SlotPlan(k, v, slots, per_request, cells, cells * per_token)
+    needed = -(-per_request // CELL_PAD) * CELL_PAD * per_token
+    raise ValueError(f"memory={budget} bytes fits no llama.cpp slot at {k}/{v}: one request "
+                     f"of {per_request} tokens needs a {needed}-byte cache ({per_token} bytes "
+                     "per token, rounded up to 256 cells)")
+
+
+class LlamaServer:
+    """``llama-server`` on a free port of 127.0.0.1 for one slot plan, until the block ends:
+    the same GGUF, ``threads``, flash attention, the plan's K/V types and slots, ``/metrics``
+    on, the host prompt cache off (``--cache-ram 0``: no cache outside the budget).
+    ``reported_bytes`` is the cache size llama.cpp logs at load."""
+
+    def __init__(self, gguf: Path, plan: SlotPlan, threads: int, log: Path):
+        self.gguf, self.plan, self.threads, self.log = gguf, plan, threads, log
+        self.process: subprocess.Popen | None = None
+        self.reported_bytes: int | None = None
+
+    def command(self, port: int) -> list[str]:
+        p = self.plan
+        return [str(server_binary()), "--model", str(self.gguf), "--host", "127.0.0.1",
+                "--port", str(port), "--ctx-size", str(p.cells), "--parallel", str(p.slots),
+                "--kv-unified", "--cache-type-k", p.k, "--cache-type-v", p.v,
+                "--flash-attn", "on", "--threads", str(self.threads), "--threads-batch",
+                str(self.threads), "--cache-ram", "0", "--metrics", "--no-webui"]
+
+    def __enter__(self) -> str:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(self.command(port), stdout=out,
+                                            stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    self.reported_bytes = reported_cache_bytes(self.log.read_text())
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        code = self.process.poll()
+        self.__exit__()
+        why = f"exit code {code}" if code is not None else f"no /health in {START_TIMEOUT:g} s"
+        raise EngineMissing(f"llama-server did not come up ({why}); its log {self.log} ends: "
+                            f"{_tail(self.log)}")
+
+    def __exit__(self, *exc) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def reported_cache_bytes(log: str) -> int | None:
+    """The cache size llama.cpp logs at load (``llama_kv_cache: size = X MiB``), in bytes."""
+    sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", log)
+    return round(sum(float(size) for size in sizes) * 2**20) if sizes else None
+
+
+def _tail(log: Path) -> str:
+    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
+    return " | ".join(lines[-3:])
+
+
+if __name__ == "__main__":
+    print(build())

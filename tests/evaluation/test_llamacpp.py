@@ -1,0 +1,144 @@
+"""llama.cpp as an anchor: its cache bytes and slot plan, the refusals before anything starts,
+a missing build reported in its row while the others run, and — where ``make engine`` has
+built it — the real ``llama-server`` with 2 slots and a handful of tokens, and the batch-1
+decoder through the Python bindings."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+from transformers import LlamaConfig
+
+from kvmix.commands.bench import BenchConfig, run_bench
+from kvmix.commands.loadtest import LoadtestConfig, run_loadtest
+from kvmix.evaluation import llamacpp
+from kvmix.evaluation.loadtest import run_level
+
+# 2 layers x 2 KV heads x 64: f16 keeps 2 bytes per element, q4_0 18 bytes per 32 elements.
+CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     hidden_size=256, head_dim=64)
+
+
+def built() -> bool:
+    try:
+        llamacpp.server_binary()
+    except llamacpp.EngineMissing:
+        return False
+    return True
+
+
+needs_server = pytest.mark.skipif(not built(), reason="llama-server is not built here (make "
+                                  "engine builds it; not in CI: about 25 minutes on 2 cores)")
+
+
+@pytest.mark.parametrize(("k", "v", "expected"), [("f16", "f16", 2 * 2 * 128 * 2),
+                                                  ("q4_0", "q4_0", 2 * 2 * 4 * 18),
+                                                  ("q8_0", "q4_0", 2 * (4 * 34 + 4 * 18))])
+def test_cache_bytes_per_token_follow_ggml_row_sizes(k, v, expected):
+    assert llamacpp.cache_bytes_per_token(CONFIG, k, v) == expected
+
+
+def test_slots_are_the_most_whose_padded_cache_fits():
+    per_token = llamacpp.cache_bytes_per_token(CONFIG, "f16", "f16")  # 1024
+    plan = llamacpp.plan_slots(CONFIG, "f16", "f16", 1024 * per_token, 300, most=8)
+    # 3 x 300 = 900 cells pad to 1024 (fits); 4 x 300 = 1200 pad to 1280 (does not)
+    assert (plan.slots, plan.cells, plan.bytes) == (3, 1024, 1024 * per_token)
+    assert llamacpp.plan_slots(CONFIG, "f16", "f16", 1024 * per_token, 300, most=2).slots == 2
+    with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
+        llamacpp.plan_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
+
+
+def test_cache_types_parse_or_are_refused_by_name():
+    assert llamacpp.parse_types("llama.cpp:q4_0") == ("q4_0", "q4_0")
+    assert llamacpp.parse_types("llama.cpp:q8_0/f16") == ("q8_0", "f16")
+    with pytest.raises(ValueError, match=r"llama\.cpp:q3_k.*q4_0"):
+        llamacpp.parse_types("llama.cpp:q3_k")
+
+
+def test_reported_cache_bytes_read_from_the_load_log():
+    log = ("llama_kv_cache: size =    6.00 MiB (   256 cells,  30 layers,  2/1 seqs), K (q4_0):"
+           "    3.00 MiB, V (q4_0):    3.00 MiB\n")
+    assert llamacpp.reported_cache_bytes(log) == 6 * 2**20
+    assert llamacpp.reported_cache_bytes("no cache here") is None
+
+
+def test_loadtest_refuses_before_anything_starts(tmp_path):
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        run_loadtest(LoadtestConfig(methods=["llama.cpp:f16"], model=str(tmp_path)))
+    with pytest.raises(ValueError, match=r"invalid; expected llama\.cpp:TYPE"):
+        run_loadtest(LoadtestConfig(methods=["kivi2", "llama.cpp:f15"]))
+    with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
+        run_loadtest(LoadtestConfig(methods=["llama.cpp:f16"], memory="1MB", requests=[2],
+                                    concurrency=[1], prompt=16, tokens=[4]))
+
+
+def test_bench_refuses_llama_cpp_beside_throughput():
+    with pytest.raises(ValueError, match="per-prompt bench"):
+        run_bench(BenchConfig(baselines=["llama.cpp:f16"], throughput=True))
+
+
+def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVMIX_CACHE", str(tmp_path))
+    with pytest.raises(llamacpp.EngineMissing, match="make engine"):
+        llamacpp.server_binary()
+    rows = run_loadtest(LoadtestConfig(methods=["llama.cpp:q4_0"], memory="20MB", requests=[2],
+                                       concurrency=[2], prompt=16, tokens=[4]))
+    assert len(rows) == 1 and "make engine" in rows[0]["error"]
+
+
+def test_missing_bindings_name_the_install_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
+    llamacpp.bindings.cache_clear()
+    try:
+        with pytest.raises(llamacpp.EngineMissing, match="pip install 'llama-cpp-python=="):
+            llamacpp.bindings()
+    finally:
+        llamacpp.bindings.cache_clear()
+
+
+@needs_server
+def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
+    from kvmix.models.loading import gguf_path, load_config, smollm2_location
+
+    config, _ = load_config()
+    per_token = llamacpp.cache_bytes_per_token(config, "q4_0", "q4_0")
+    plan = llamacpp.plan_slots(config, "q4_0", "q4_0", 300 * per_token, 64, most=2)
+    assert (plan.slots, plan.cells) == (2, 256)
+    server = llamacpp.LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "server.log")
+    with server as url:
+        outcomes, _, peaks = asyncio.run(run_level(url, ["The river", "A small house"] * 2,
+                                                   [4], concurrency=2, timeout=60))
+        process = server.process
+    assert process.poll() is not None  # stopped with the block
+    assert [o.error for o in outcomes] == [None] * 4
+    assert [o.tokens for o in outcomes] == [4] * 4
+    assert 1 <= peaks["llamacpp:requests_processing"] <= 2
+    assert abs(server.reported_bytes - plan.bytes) <= 0.005 * 2**20  # logged to 0.01 MiB
+    log = (tmp_path / "server.log").read_text()
+    assert "libggml-cpu-" in log  # a CPU variant chosen at load, not compiled in
+    assert smollm2_location()[1] in log
+
+
+@needs_server
+def test_the_bindings_decode_as_the_server_does(tmp_path):
+    import httpx
+
+    from kvmix.models.loading import gguf_path, load_config, load_tokenizer
+
+    config, _ = load_config()
+    tokenizer = load_tokenizer()
+    ids = tokenizer("The river ran past the old mill and", return_tensors="pt").input_ids
+    decoder = llamacpp.Decoder(gguf_path("smollm2"), config, "f16", "f16", 64, 2)
+    token, tokens = decoder(ids).logits[:, -1:].argmax(-1), []
+    for _ in range(4):
+        tokens.append(int(token))
+        token = decoder(token).logits[:, -1:].argmax(-1)
+    assert decoder.nbytes() == 256 * llamacpp.cache_bytes_per_token(config, "f16", "f16")
+    plan = llamacpp.plan_slots(config, "f16", "f16", decoder.nbytes(), 64, most=1)
+    with llamacpp.LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "log") as url:
+        answer = httpx.post(f"{url}/completion", json={"prompt": ids[0].tolist(),
+                                                       "n_predict": 4, "temperature": 0,
+                                                       "return_tokens": True}, timeout=60)
+    assert answer.json()["tokens"] == tokens
