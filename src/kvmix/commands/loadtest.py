@@ -206,7 +206,7 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
                                       log)
         with server as url:
             yield url, {"slots": plan.slots, "cache_bytes": server.reported_bytes,
-                        "planned_cache_bytes": plan.bytes,
+                        "planned_cache_bytes": plan.bytes, "cpu_variant": server.cpu_variant,
                         "resolved": " ".join(server.command(0)[1:]),
                         "engine": llamacpp.server_version()}
     else:

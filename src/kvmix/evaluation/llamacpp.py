@@ -151,8 +151,9 @@ class Decoder:
 
     def __call__(self, ids: torch.Tensor, **_: Any) -> SimpleNamespace:
         self.llm.eval(ids[0].tolist())
-        last = np.asarray(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)
-        return SimpleNamespace(logits=torch.from_numpy(last)[None, None])  # [1, 1, V]
+        last = bindings().llama_get_logits_ith(self.llm.ctx, -1)  # the batch's last row
+        logits = np.ctypeslib.as_array(last, shape=(self.llm.n_vocab(),)).copy()
+        return SimpleNamespace(logits=torch.from_numpy(logits)[None, None])  # [1, 1, V]
 
     def nbytes(self) -> int:
         return self.cache_bytes
@@ -218,12 +219,14 @@ class LlamaServer:
     """``llama-server`` on a free port of 127.0.0.1 for one slot plan, until the block ends:
     the same GGUF, ``threads``, flash attention, the plan's K/V types and slots, ``/metrics``
     on, the host prompt cache off (``--cache-ram 0``: no cache outside the budget).
-    ``reported_bytes`` is the cache size llama.cpp logs at load."""
+    ``reported_bytes`` is the cache size llama.cpp logs at load, ``cpu_variant`` the CPU
+    backend it loaded."""
 
     def __init__(self, gguf: Path, plan: SlotPlan, threads: int, log: Path):
         self.gguf, self.plan, self.threads, self.log = gguf, plan, threads, log
         self.process: subprocess.Popen | None = None
         self.reported_bytes: int | None = None
+        self.cpu_variant: str | None = None  # the libggml-cpu-<variant>.so loaded at start
 
     def command(self, port: int) -> list[str]:
         p = self.plan
@@ -231,7 +234,8 @@ class LlamaServer:
                 "--port", str(port), "--ctx-size", str(p.cells), "--parallel", str(p.slots),
                 "--kv-unified", "--cache-type-k", p.k, "--cache-type-v", p.v,
                 "--flash-attn", "on", "--threads", str(self.threads), "--threads-batch",
-                str(self.threads), "--cache-ram", "0", "--metrics", "--no-webui"]
+                str(self.threads), "--cache-ram", "0", "--metrics", "--no-webui",
+                "--log-verbosity", "4"]  # 4: the load log names the cache size and CPU variant
 
     def __enter__(self) -> str:
         with socket.socket() as probe:
@@ -246,7 +250,10 @@ class LlamaServer:
         while time.monotonic() < deadline and self.process.poll() is None:
             try:
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    self.reported_bytes = reported_cache_bytes(self.log.read_text())
+                    log = self.log.read_text(errors="replace")
+                    self.reported_bytes = reported_cache_bytes(log)
+                    self.cpu_variant = next(iter(re.findall(r"libggml-cpu-([\w.]+)\.so", log)),
+                                            None)
                     return url
             except httpx.HTTPError:
                 pass

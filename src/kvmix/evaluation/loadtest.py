@@ -46,9 +46,7 @@ async def complete(http: httpx.AsyncClient, prompt: str, tokens: int,
     """One streamed completion of exactly ``tokens`` tokens (``ignore_eos``), sampled at
     ``temperature`` (0: greedy)."""
     body = {"prompt": prompt, "max_tokens": tokens, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
-    if temperature:
-        body["temperature"] = temperature
+            "temperature": temperature, "stream_options": {"include_usage": True}}
     outcome = Outcome(perf_counter(), 0.0)
     try:
         async with http.stream("POST", "/v1/completions", json=body) as answer:
