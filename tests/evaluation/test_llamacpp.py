@@ -42,10 +42,13 @@ def test_cache_bytes_per_token_follow_ggml_row_sizes(k, v, expected):
 
 def test_slots_are_the_most_whose_padded_cache_fits():
     per_token = llamacpp.cache_bytes_per_token(CONFIG, "f16", "f16")  # 1024
-    plan = llamacpp.plan_slots(CONFIG, "f16", "f16", 1024 * per_token, 300, most=8)
-    # 3 x 300 = 900 cells pad to 1024 (fits); 4 x 300 = 1200 pad to 1280 (does not)
-    assert (plan.slots, plan.cells, plan.bytes) == (3, 1024, 1024 * per_token)
-    assert llamacpp.plan_slots(CONFIG, "f16", "f16", 1024 * per_token, 300, most=2).slots == 2
+    plan = llamacpp.plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=8)
+    # a request of 300 tokens takes a slot of 512 cells: two fit in 1100 cells, three do not
+    assert (plan.slots, plan.per_slot, plan.cells, plan.bytes) == (2, 512, 1024,
+                                                                    1024 * per_token)
+    assert llamacpp.plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=1).slots == 1
+    fractional = llamacpp.plan_slots(CONFIG, "f16", "f16", 1100.0 * per_token, 300, most=8)
+    assert type(fractional.slots) is int and type(fractional.cells) is int  # flags take ints
     with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
         llamacpp.plan_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
 
@@ -80,12 +83,15 @@ def test_bench_refuses_llama_cpp_beside_throughput():
 
 
 def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVMIX_CACHE", str(tmp_path))
+    """No build: the row carries the command to run, and nothing is left behind."""
+    monkeypatch.setenv("KVMIX_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
     with pytest.raises(llamacpp.EngineMissing, match="make engine"):
         llamacpp.server_binary()
     rows = run_loadtest(LoadtestConfig(methods=["llama.cpp:q4_0"], memory="20MB", requests=[2],
                                        concurrency=[2], prompt=16, tokens=[4]))
     assert len(rows) == 1 and "make engine" in rows[0]["error"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_missing_bindings_name_the_install_line(monkeypatch):
@@ -104,8 +110,8 @@ def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
 
     config, _ = load_config()
     per_token = llamacpp.cache_bytes_per_token(config, "q4_0", "q4_0")
-    plan = llamacpp.plan_slots(config, "q4_0", "q4_0", 300 * per_token, 64, most=2)
-    assert (plan.slots, plan.cells) == (2, 256)
+    plan = llamacpp.plan_slots(config, "q4_0", "q4_0", 600 * per_token, 64, most=4)
+    assert (plan.slots, plan.cells) == (2, 512)
     server = llamacpp.LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "server.log")
     with server as url:
         outcomes, _, peaks = asyncio.run(run_level(url, ["The river", "A small house"] * 2,

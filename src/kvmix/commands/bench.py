@@ -13,9 +13,11 @@ the allocator's bytes in use (``kvmix.evaluation.resources``): ``steady_bytes`` 
 prefill and warmup above those in use just before the cache was made, ``peak_bytes`` that plus
 the largest rise while decoding (what a step materialises: a float history, a concatenation);
 ``nbytes`` is what the cache itself reports (for transformers' caches, the storages reachable
-from them; for llama.cpp, the cache it allocates for its context). llama.cpp's memory deltas
-hold what its context takes from the heap (cache, compute buffers, vocabulary), not its mapped
-weights; it runs the GGUF's own quantized weights where kvmix runs them dequantized.
+from them; for llama.cpp, the cache it allocates, sized once for the longest ``--prompt`` as a
+server sizes a slot). llama.cpp's memory deltas count all it takes from the heap once it starts
+loading (context, compute buffers, weights it copies out of the mapped file), so only its
+``nbytes`` compares with the caches'; it runs the GGUF's own quantized weights in C where kvmix
+runs them dequantized through transformers.
 ``select_s`` is the prefill time spent in channel selection (PN-Mix, Kitty, ChanMix).
 
 ``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches of

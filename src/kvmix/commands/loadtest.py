@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,17 +202,29 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
 
         from kvmix.models.loading import gguf_path
 
-        log = Path(config.out or ".") / "logs" / f"{method.replace('/', '-')}.log"
-        server = llamacpp.LlamaServer(gguf_path(config.model), plan, torch.get_num_threads(),
-                                      log)
-        with server as url:
-            yield url, {"slots": plan.slots, "cache_bytes": server.reported_bytes,
-                        "planned_cache_bytes": plan.bytes, "cpu_variant": server.cpu_variant,
-                        "resolved": " ".join(server.command(0)[1:]),
-                        "engine": llamacpp.server_version()}
+        with _log_folder(config) as folder:
+            server = llamacpp.LlamaServer(gguf_path(config.model), plan,
+                                          torch.get_num_threads(),
+                                          folder / f"{method.replace('/', '-')}.log")
+            with server as url:
+                yield url, {"slots": plan.slots, "cache_bytes": server.reported_bytes,
+                            "planned_cache_bytes": plan.bytes,
+                            "cpu_variant": server.cpu_variant,
+                            "resolved": " ".join(server.command(0)[1:]),
+                            "engine": llamacpp.server_version()}
     else:
         with _kvmix_server(config, method) as url:
             yield url, {"resolved": _resolved(method)}
+
+
+@contextlib.contextmanager
+def _log_folder(config: LoadtestConfig):
+    """Where llama-server's log goes: ``--out``/logs, else a folder removed afterwards."""
+    if config.out:
+        yield Path(config.out) / "logs"
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvmix-llama-") as folder:
+            yield Path(folder)
 
 
 class _kvmix_server:
