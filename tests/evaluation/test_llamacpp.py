@@ -29,6 +29,19 @@ def built() -> bool:
     return True
 
 
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvmix.models.loading import load_tokenizer
+
+    return load_tokenizer()
+
+
+@pytest.fixture
+def loaded_once(tokenizer, monkeypatch):
+    """loadtest's tokenizer is the module's (the GGUF's vocabulary loads once)."""
+    monkeypatch.setattr("kvmix.models.loading.load_tokenizer", lambda name: tokenizer)
+
+
 needs_server = pytest.mark.skipif(not built(), reason="llama-server is not built here (make "
                                   "engine builds it; not in CI: about 25 minutes on 2 cores)")
 
@@ -67,7 +80,7 @@ def test_reported_cache_bytes_read_from_the_load_log():
     assert llamacpp.reported_cache_bytes("no cache here") is None
 
 
-def test_loadtest_refuses_before_anything_starts(tmp_path):
+def test_loadtest_refuses_before_anything_starts(tmp_path, loaded_once):
     with pytest.raises(ValueError, match="not a GGUF file"):
         run_loadtest(LoadtestConfig(methods=["llama.cpp:f16"], model=str(tmp_path)))
     with pytest.raises(ValueError, match=r"invalid; expected llama\.cpp:TYPE"):
@@ -82,7 +95,7 @@ def test_bench_refuses_llama_cpp_beside_throughput():
         run_bench(BenchConfig(baselines=["llama.cpp:f16"], throughput=True))
 
 
-def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch):
+def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch, loaded_once):
     """No build: the row carries the command to run, and nothing is left behind."""
     monkeypatch.setenv("KVMIX_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
@@ -127,13 +140,12 @@ def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
 
 
 @needs_server
-def test_the_bindings_decode_as_the_server_does(tmp_path):
+def test_the_bindings_decode_as_the_server_does(tmp_path, tokenizer):
     import httpx
 
-    from kvmix.models.loading import gguf_path, load_config, load_tokenizer
+    from kvmix.models.loading import gguf_path, load_config
 
     config, _ = load_config()
-    tokenizer = load_tokenizer()
     ids = tokenizer("The river ran past the old mill and", return_tensors="pt").input_ids
     decoder = llamacpp.Decoder(gguf_path("smollm2"), config, "f16", "f16", 64, 2)
     token, tokens = decoder(ids).logits[:, -1:].argmax(-1), []

@@ -59,8 +59,8 @@ class EngineMissing(RuntimeError):
 
 
 def root() -> Path:
-    return Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix")) / "llama.cpp" \
-        / VERSION
+    cache = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix"))
+    return cache / "llama.cpp" / VERSION
 
 
 def bin_dir() -> Path:
@@ -135,7 +135,7 @@ def bindings() -> Any:
 def ggml_type(name: str) -> int:
     """The bindings' ``GGML_TYPE_*`` number of a cache type (bf16: ggml.h's, which
     llama-cpp-python 0.3.36 does not export)."""
-    return getattr(bindings(), f"GGML_TYPE_{name.upper()}", GGML_TYPE_BF16)
+    return GGML_TYPE_BF16 if name == "bf16" else getattr(bindings(), f"GGML_TYPE_{name.upper()}")
 
 
 class Decoder:
