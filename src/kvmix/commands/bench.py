@@ -69,7 +69,6 @@ THROUGHPUT_COLUMNS = {"method": "method", "backend": "backend", "group": "group"
                       "max_batch": "max batch", "per_sequence_bytes": "bytes/seq",
                       "cache_bytes": "cache bytes", "peak_bytes": "peak Δ",
                       "prefill_s": "prefill s"}
-ENGINE = "llama.cpp:"
 OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "batch": "batch",
               "us_per_step": "µs/layer-step", "gb_per_s": "GB/s",
               "limit_us": "µs at copy bandwidth", "of_limit": "of limit", "vs_sdpa": "vs SDPA",
@@ -250,7 +249,7 @@ def _check(config: BenchConfig) -> None:
         if config.tokens < 0 or len(config.prompt) != 1:
             raise ValueError(f"--throughput takes one prompt length and tokens >= 0; got "
                              f"prompt={config.prompt}, tokens={config.tokens}")
-    engines = [b for b in config.baselines if b.startswith(ENGINE)]
+    engines = llamacpp.settings(config.baselines)
     unknown = sorted(set(config.baselines) - set(BASELINES) - set(engines))
     if unknown:
         raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}, "
@@ -333,7 +332,7 @@ def _kvmix(method: str, backend: str, model) -> tuple[Any, Any, list[float]]:
 def _engines(config: BenchConfig) -> list[str]:
     """The llama.cpp baselines that can run here; one whose bindings are missing is reported
     and left out, and the other rows still run."""
-    engines = [b for b in config.baselines if b.startswith(ENGINE)]
+    engines = llamacpp.settings(config.baselines)
     try:
         if engines:
             llamacpp.bindings()

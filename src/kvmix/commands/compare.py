@@ -13,7 +13,7 @@ from kvmix.commands.args import (
     config_from,
 )
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, reference
+from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, scored_inputs
 from kvmix.evaluation.report import console
 from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -53,7 +53,7 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
         parse_method(method)  # bad method strings fail before loading
     grid = Grid("compare", config, compare_cell, shared=config)
     outcomes, model = grid.run(list(config.methods), Worker.holding(loaded, config))
-    rows, _ = merged(outcomes)
+    rows = merged(outcomes)
     for row in rows:
         if row["plan"]:
             console.print(f"{row['method']} plan: key bits {row['plan']['key_bits']}, "
@@ -65,14 +65,10 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
 
 def compare_cell(worker: Worker, config: CompareConfig, method: str) -> list[dict]:
     """One method scored on the config's tokens against ``full`` (once per worker)."""
-    loaded = worker.loaded
-    ids = worker.memo("ids", lambda: load_inputs(
-        config, config.context + config.eval_tokens + 1, loaded)[1])
-    full = worker.memo("full", lambda: reference(loaded, ids, config))
+    loaded, ids, full = scored_inputs(worker, config)
     scored = full if method == "full" else score(loaded.model, ids, method, config.context,
                                                   config.chunk, backend=config.backend)
     return [_row(method, parse_method(method), scored, full, loaded.dtype)]
-
 
 
 def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) -> dict:

@@ -54,7 +54,7 @@ def run_eval(config: EvalConfig, loaded: LoadedModel | None = None) -> list[dict
                          "you have)")
     outcomes, model = Grid("eval", config, eval_cell, shared=config).run(
         list(config.methods), Worker.holding(loaded, config))
-    rows, _ = merged(outcomes)
+    rows = merged(outcomes)
     finish("eval", config, model, rows, f"{', '.join(config.tasks)} · limit {config.limit}",
            COLUMNS, uses_data=False, lm_eval_version=lm_eval.__version__)
     return rows

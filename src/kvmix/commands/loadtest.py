@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.metadata
 import os
-import socket
-import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import httpx
 
 from kvmix.commands.args import config_from
 from kvmix.evaluation import llamacpp
 from kvmix.evaluation.data import prompt_set
-from kvmix.evaluation.loadtest import run_level, summary
+from kvmix.evaluation.loadtest import LocalServer, ServerDown, run_level, summary
 from kvmix.evaluation.planner import parse_memory
 from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.report import console, print_table, write_results
+from kvmix.evaluation.report import console, print_table, version, write_results
 
 COLUMNS = {"method": "method", "concurrency": "concurrency", "requests": "requests",
            "failures": "failed", "requests_per_s": "req/s",
@@ -38,7 +32,6 @@ COLUMNS = {"method": "method", "concurrency": "concurrency", "requests": "reques
            "ttft_p99_s": "TTFT p99 s", "tpot_p50_ms": "ms/token p50",
            "tpot_p99_ms": "ms/token p99", "peak_running": "most running",
            "slots": "slots", "peak_cache_mb": "peak cache MB"}
-ENGINE = "llama.cpp:"
 RUNNING = ("kvmix:num_requests_running", "llamacpp:requests_processing")  # /metrics gauges
 
 
@@ -146,7 +139,7 @@ def _slot_plans(config: LoadtestConfig, tokenizer, texts: list[str]
     before any server starts when no slot fits."""
     from kvmix.models.loading import load_config
 
-    engines = [m for m in config.methods if m.startswith(ENGINE)] if not config.url else []
+    engines = [] if config.url else llamacpp.settings(config.methods)
     if not engines:
         return {}
     model_config, _ = load_config(config.model)
@@ -169,7 +162,7 @@ def _counts(config: LoadtestConfig) -> list[int]:
             raise ValueError(f"{name}={values} is invalid; expected integers >= 1")
     if not 0 <= config.temperature <= 2:
         raise ValueError(f"temperature={config.temperature} is invalid; expected 0 to 2")
-    engines = [m for m in config.methods if m.startswith(ENGINE)] if not config.url else []
+    engines = [] if config.url else llamacpp.settings(config.methods)
     for method in engines:
         llamacpp.parse_types(method)
     if engines:
@@ -182,13 +175,6 @@ def _counts(config: LoadtestConfig) -> list[int]:
 
 def _tokens(config: LoadtestConfig) -> str:
     return "/".join(map(str, config.tokens))
-
-
-def _version(package: str) -> str | None:
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return None
 
 
 @contextlib.contextmanager
@@ -227,40 +213,27 @@ def _log_folder(config: LoadtestConfig):
             yield Path(folder)
 
 
-class _kvmix_server:
-    """``kvmix serve`` for ``method`` on a free port of 127.0.0.1, until the block ends."""
+class _kvmix_server(LocalServer):
+    """``kvmix serve`` for ``method``, as the loadtest configures every server."""
 
     def __init__(self, config: LoadtestConfig, method: str):
-        self.config, self.method, self.process = config, method, None
+        super().__init__()
+        self.config, self.method = config, method
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+    def command(self, port: int) -> list[str]:
+        c = self.config
+        return [sys.executable, "-m", "kvmix.cli", "serve", "--model", c.model, "--method",
+                self.method, "--memory", c.memory, "--port", str(port), "--backend", c.backend,
+                "--max-tokens", str(max(c.tokens)), "--max-batch-tokens",
+                str(c.max_batch_tokens), "--fit-prompt", str(c.prompt)]
 
     def __enter__(self) -> str:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        c = self.config
-        command = [sys.executable, "-m", "kvmix.cli", "serve", "--model", c.model, "--method",
-                   self.method, "--memory", c.memory, "--port", str(port), "--backend",
-                   c.backend, "--max-tokens", str(max(c.tokens)), "--max-batch-tokens",
-                   str(c.max_batch_tokens), "--fit-prompt", str(c.prompt)]
-        self.process = subprocess.Popen(command, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        self.__exit__()
-        raise ValueError(f"kvmix serve --method {self.method} did not start")
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        try:
+            return super().__enter__()
+        except ServerDown as error:
+            raise ValueError(f"kvmix serve --method {self.method} did not start ({error})") \
+                from None
 
 
 def _write(config: LoadtestConfig, rows: list[dict]) -> None:
@@ -277,6 +250,6 @@ def _write(config: LoadtestConfig, rows: list[dict]) -> None:
                                        f"{config.model} · {config.memory} KV · "
                                        f"{config.prompt} + {_tokens(config)} tokens")))
     path = write_results(out, "loadtest", config, rows, plots=plots,
-                         client={name: _version(name) for name in ("httpx", "fastapi", "uvicorn",
+                         client={name: version(name) for name in ("httpx", "fastapi", "uvicorn",
                                                                     "openai", "llama_cpp_python")})
     console.print(f"wrote {path}")

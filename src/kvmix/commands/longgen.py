@@ -71,7 +71,7 @@ def run_longgen(config: LonggenConfig, loaded: LoadedModel | None = None) -> lis
              for start in range(0, len(todo), config.batch)]
     outcomes, model = Grid("longgen", config, longgen_cell, shared=config).run(
         cells, Worker.holding(loaded, config))
-    for record in merged(outcomes)[0]:
+    for record in merged(outcomes):
         samples.add(record)
     rows = [_row(method, samples.of(method), config.new_tokens) for method in config.methods
             if samples.of(method)]

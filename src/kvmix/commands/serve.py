@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from kvmix.evaluation.report import console
-from kvmix.serving.launch import ANCHOR, ServeConfig, build
+from kvmix.serving.launch import ANCHOR, Scale, ServeConfig, build, deploy_config, require_ray
 
 
 def add_parser(commands) -> None:
@@ -115,8 +115,6 @@ def _ray_arguments(args: Any) -> tuple | None:
             raise ValueError("--address and --replicas/--min-replicas/--max-replicas go with "
                              "--ray or --ray-config")
         return None
-    from kvmix.serving.launch import Scale
-
     autoscaled = args.min_replicas is not None or args.max_replicas is not None
     if autoscaled and args.replicas is not None:
         raise ValueError("give --replicas or --min-replicas/--max-replicas, not both")
@@ -129,11 +127,7 @@ def _ray_arguments(args: Any) -> tuple | None:
 
 
 def _run_ray(config: ServeConfig, scale: Any, address: str | None, path: str | None) -> None:
-    from kvmix.serving.launch import require_ray
-
     if path is not None:
-        from kvmix.serving.launch import deploy_config
-
         Path(path).write_text(yaml.safe_dump(deploy_config(config, scale), sort_keys=False))
         console.print(f"wrote {path}: `serve deploy {path}` on a Ray cluster serves it")
         return

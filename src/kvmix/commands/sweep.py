@@ -26,7 +26,7 @@ from kvmix.commands.args import (
     config_from,
 )
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, reference
+from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, scored_inputs
 from kvmix.evaluation.plots import scatter_lines
 from kvmix.evaluation.scoring import check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -92,7 +92,7 @@ def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[di
         parse_method(method)
     grid = Grid("sweep", config, sweep_cell, shared=config)
     outcomes, model = grid.run(points, Worker.holding(loaded, config))
-    rows, _ = merged(outcomes)
+    rows = merged(outcomes)
     plots = [str(_plot(config, rows))] if config.out else []
     full = f"full ppl {rows[0]['ppl'] - rows[0]['delta_ppl']:.4g}" if rows else "no point"
     finish("sweep", config, model, rows, f"{config.data} · context {config.context} · {full}",
@@ -103,10 +103,7 @@ def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[di
 def sweep_cell(worker: Worker, config: SweepConfig, point: tuple) -> list[dict]:
     """One point of the curve scored against ``full`` (once per worker)."""
     family, target, method = point
-    loaded = worker.loaded
-    ids = worker.memo("ids", lambda: load_inputs(
-        config, config.context + config.eval_tokens + 1, loaded)[1])
-    full = worker.memo("full", lambda: reference(loaded, ids, config))
+    loaded, ids, full = scored_inputs(worker, config)
     scored = score(loaded.model, ids, method, config.context, config.chunk,
                    backend=config.backend)
     return [{"family": family, "target_bits": target, "setting": method.partition(":")[2],

@@ -13,7 +13,6 @@ rows are the local run's, whoever computed them."""
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import socket
@@ -24,10 +23,10 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvmix.evaluation.report import console
+from kvmix.evaluation.report import console, version
 from kvmix.models.loading import LoadedModel, load_model, model_info
 
-RAY_EXTRA = "pip install 'kvmix[ray]'  (ray==2.60.*)"
+RAY_EXTRA = "pip install 'kvmix[ray]'  (ray[serve]==2.60.*)"
 RETRIES = 1  # a cell whose worker died is tried once more (on the restarted worker)
 
 
@@ -156,7 +155,7 @@ class Grid:
         c = self.config
         key = {"command": self.command, "cell": _plain(cell), "shared": _plain(self.shared),
                "model": c.model, "dtype": c.dtype, "device": c.device,
-               "data": getattr(c, "data", None), "kvmix": _version()}
+               "data": getattr(c, "data", None), "kvmix": version("kvmix")}
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()) \
             .hexdigest()[:24]
 
@@ -249,20 +248,12 @@ def check_grid(config: Any) -> None:
         reachable(config.address)
 
 
-def merged(outcomes: list[list[dict] | Failure]) -> tuple[list[dict], list[Failure]]:
-    """The rows of the cells that went through, in order, and the failures."""
-    rows = [row for o in outcomes if not isinstance(o, Failure) for row in o]
-    return rows, [o for o in outcomes if isinstance(o, Failure)]
+def merged(outcomes: list[list[dict] | Failure]) -> list[dict]:
+    """The rows of the cells that went through, in order (``Grid.run`` reports failures)."""
+    return [row for o in outcomes if not isinstance(o, Failure) for row in o]
 
 
 def _plain(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)
     return value
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("kvmix")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

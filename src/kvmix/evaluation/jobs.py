@@ -68,10 +68,16 @@ def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], co
     return results
 
 
-def reference(loaded: LoadedModel, ids: torch.Tensor, config: Any) -> Scored:
-    """The ``full`` cache's scores of the tokens, what every method is measured against."""
-    return score(loaded.model, ids, "full", config.context, config.chunk,
-                 backend=config.backend)
+def scored_inputs(worker: Any, config: Any) -> tuple[LoadedModel, torch.Tensor, Scored]:
+    """A grid worker's model, the config's ``context + eval_tokens + 1`` tokens [1, n] and the
+    ``full`` cache's scores of them (what every method is measured against), made once per
+    worker."""
+    loaded = worker.loaded
+    ids = worker.memo("ids", lambda: load_inputs(
+        config, config.context + config.eval_tokens + 1, loaded)[1])
+    full = worker.memo("full", lambda: score(loaded.model, ids, "full", config.context,
+                                             config.chunk, backend=config.backend))
+    return loaded, ids, full
 
 
 def finish(command: str, config: Any, model: LoadedModel | dict, rows: list[dict], title: str,

@@ -24,20 +24,21 @@ import ctypes
 import functools
 import os
 import re
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 
+from kvmix.evaluation.loadtest import LocalServer, ServerDown
+from kvmix.runtime.cache import model_spec
+
+PREFIX = "llama.cpp:"  # a row that runs llama.cpp: llama.cpp:TYPE or llama.cpp:K/V
 VERSION = "0.3.36"  # llama-cpp-python, as the engine extra pins it
 INSTALL = (f"pip install 'llama-cpp-python=={VERSION}' (or make engine, which also builds "
            "llama-server)")
@@ -48,7 +49,6 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=ON", "-DGGML_N
                "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"]
 CELL_PAD = 256  # llama_context pads n_ctx to a multiple of 256 cells
 GGML_TYPE_BF16 = 30  # ggml.h
-START_TIMEOUT = 120.0  # seconds llama-server may take to load and answer /health
 # ggml's cache types: (elements per block, bytes per block), ggml.c's type traits.
 TYPES = {"f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
          "q4_1": (32, 20), "q5_0": (32, 22), "q5_1": (32, 24), "iq4_nl": (32, 18)}
@@ -165,12 +165,9 @@ class Decoder:
 def cache_bytes_per_token(config: Any, k: str, v: str) -> int:
     """Bytes llama.cpp's cache holds per token at these K/V types: ``ggml_row_size`` of each
     side over every layer's ``n_embd_k_gqa``/``n_embd_v_gqa`` (a transformers config)."""
-    config = config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or \
-        config.hidden_size // config.num_attention_heads
-    width = config.num_key_value_heads * head_dim
-    per_layer = sum(_row_bytes(kind, width) for kind in (k, v))
-    return config.num_hidden_layers * per_layer
+    spec = model_spec(config)
+    width = spec.n_kv_heads * spec.head_dim
+    return spec.n_layers * sum(_row_bytes(kind, width) for kind in (k, v))
 
 
 def _row_bytes(kind: str, elements: int) -> int:
@@ -178,10 +175,15 @@ def _row_bytes(kind: str, elements: int) -> int:
     return elements // block * size
 
 
+def settings(names: list[str]) -> list[str]:
+    """The llama.cpp rows (``llama.cpp:…``) among method or baseline names."""
+    return [name for name in names if name.startswith(PREFIX)]
+
+
 def parse_types(setting: str) -> tuple[str, str]:
     """``llama.cpp:TYPE`` or ``llama.cpp:K/V`` -> (K type, V type); ValueError naming the valid
     types."""
-    kinds = setting.removeprefix("llama.cpp:").split("/")
+    kinds = setting.removeprefix(PREFIX).split("/")
     if len(kinds) == 1:
         kinds *= 2
     if len(kinds) != 2 or any(kind not in TYPES for kind in kinds):
@@ -210,9 +212,9 @@ def plan_slots(config: Any, k: str, v: str, budget: int, per_request: int,
     """The most slots (at most ``most``) whose cache fits ``budget`` bytes, each slot's context
     rounded up to llama.cpp's 256 cells (``GGML_PAD(n_ctx_seq, 256)``); ValueError when none
     fits."""
-    per_token = cache_bytes_per_token(config, k, v)
+    budget, per_token = int(budget), cache_bytes_per_token(config, k, v)
     per_slot = -(-per_request // CELL_PAD) * CELL_PAD
-    slots = min(most, int(budget) // (per_slot * per_token))
+    slots = min(most, budget // (per_slot * per_token))
     if slots < 1:
         raise ValueError(f"memory={budget} bytes fits no llama.cpp slot at {k}/{v}: one request "
                          f"of {per_request} tokens needs a {per_slot * per_token}-byte cache "
@@ -221,16 +223,17 @@ def plan_slots(config: Any, k: str, v: str, budget: int, per_request: int,
                     slots * per_slot * per_token)
 
 
-class LlamaServer:
-    """``llama-server`` on a free port of 127.0.0.1 for one slot plan, until the block ends:
-    the same GGUF, ``threads``, flash attention, the plan's K/V types and slots, ``/metrics``
-    on, the host prompt cache off (``--cache-ram 0``: no cache outside the budget).
-    ``reported_bytes`` is the cache size llama.cpp logs at load, ``cpu_variant`` the CPU
-    backend it loaded."""
+class LlamaServer(LocalServer):
+    """``llama-server`` for one slot plan, until the block ends: the same GGUF, ``threads``,
+    flash attention, the plan's K/V types and slots, ``/metrics`` on, the host prompt cache off
+    (``--cache-ram 0``: no cache outside the budget). ``reported_bytes`` is the cache size
+    llama.cpp logs at load, ``cpu_variant`` the CPU backend it loaded."""
+
+    timeout = 120.0  # seconds to load and answer /health
 
     def __init__(self, gguf: Path, plan: SlotPlan, threads: int, log: Path):
-        self.gguf, self.plan, self.threads, self.log = gguf, plan, threads, log
-        self.process: subprocess.Popen | None = None
+        super().__init__(log)
+        self.gguf, self.plan, self.threads = gguf, plan, threads
         self.reported_bytes: int | None = None
         self.cpu_variant: str | None = None  # the libggml-cpu-<variant>.so loaded at start
 
@@ -244,40 +247,16 @@ class LlamaServer:
                 "--log-verbosity", "4"]  # 4: the load log names the cache size and CPU variant
 
     def __enter__(self) -> str:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("w") as out:
-            self.process = subprocess.Popen(self.command(port), stdout=out,
-                                            stderr=subprocess.STDOUT)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    log = self.log.read_text(errors="replace")
-                    self.reported_bytes = reported_cache_bytes(log)
-                    self.cpu_variant = next(iter(re.findall(r"libggml-cpu-([\w.]+)\.so", log)),
-                                            None)
-                    return url
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        code = self.process.poll()
-        self.__exit__()
-        why = f"exit code {code}" if code is not None else f"no /health in {START_TIMEOUT:g} s"
-        raise EngineMissing(f"llama-server did not come up ({why}); its log {self.log} ends: "
-                            f"{_tail(self.log)}")
-
-    def __exit__(self, *exc) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        server_binary()  # not built: EngineMissing before anything is written
+        try:
+            url = super().__enter__()
+        except ServerDown as error:
+            raise EngineMissing(f"llama-server did not come up ({error}); its log {self.log} "
+                                f"ends: {_tail(self.log)}") from None
+        log = self.log.read_text(errors="replace")
+        self.reported_bytes = reported_cache_bytes(log)
+        self.cpu_variant = next(iter(re.findall(r"libggml-cpu-([\w.]+)\.so", log)), None)
+        return url
 
 
 def reported_cache_bytes(log: str) -> int | None:

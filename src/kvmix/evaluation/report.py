@@ -18,15 +18,17 @@ PACKAGES = ("kvmix", "torch", "transformers", "gguf", "accelerate", "numpy", "ll
 console = Console(stderr=True)
 
 
+def version(package: str) -> str | None:
+    """An installed package's version, None when it is not installed."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def versions() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"python": sys.version.split()[0],
-                                    "platform": platform.platform()}
-    for name in PACKAGES:
-        try:
-            found[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {"python": sys.version.split()[0], "platform": platform.platform(),
+            **{name: version(name) for name in PACKAGES}}
 
 
 def print_table(title: str, rows: list[dict[str, Any]], columns: dict[str, str]) -> None:

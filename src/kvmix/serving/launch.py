@@ -9,11 +9,11 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kvmix.evaluation.grid import RAY_EXTRA
 from kvmix.evaluation.planner import parse_memory
 from kvmix.methods import parse_method
 
 ANCHOR = "transformers"  # transformers' own continuous batching and paged float cache
-RAY_EXTRA = "pip install 'kvmix[ray]'  (ray[serve]==2.60.*)"
 
 
 @dataclass
@@ -83,8 +83,7 @@ def planned_rows(config: ServeConfig) -> int:
     memory = parse_memory(config.memory)
     length = min(config.fit_prompt + config.max_tokens, arch.max_positions or 1 << 30)
     if config.method == ANCHOR:
-        spec = arch.spec()
-        page = 2 * spec.n_layers * spec.n_kv_heads * spec.head_dim * dtype.itemsize * PAGE
+        page = 2 * arch.layers * arch.kv_heads * arch.head_dim * dtype.itemsize * PAGE
         return max(int(memory // page) // -(-length // PAGE), 1)
     budget = Budget(bound(config.method, arch), arch, dtype, memory, config.max_batch_tokens,
                     length)
@@ -122,10 +121,12 @@ def unloadable(config: ServeConfig, error: Exception) -> ValueError:
 
 def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
     """What fits, from the planner's formula for this model and budget."""
+    from kvmix.serving.anchor import PAGE
+
     length = config.fit_prompt + config.max_tokens
     if not hasattr(manager, "budget"):
-        fits = int(manager.blocks // -(-length // 256))
-        return (f"transformers' paged float cache: {manager.blocks} pages of 256 tokens in "
+        fits = int(manager.blocks // -(-length // PAGE))
+        return (f"transformers' paged float cache: {manager.blocks} pages of {PAGE} tokens in "
                 f"{memory / 1e9:.3g} GB: {fits} requests of {config.fit_prompt} + "
                 f"{config.max_tokens} tokens at once")
     budget = manager.budget

@@ -188,7 +188,7 @@ def serve_on_ray(config: ServeConfig, scale: Scale, address: str | None,
         raise ValueError(f"the replicas did not start: {error}") from None
     deployment = serve.status().applications["kvmix"].deployments["kvmix"]
     say(f"kvmix serve --ray · {config.model} · {config.method} · "
-        f"{len(deployment.replica_states) and sum(deployment.replica_states.values())} "
+        f"{sum(deployment.replica_states.values())} "
         f"replicas of {config.memory} each, routed by free pages; listening on "
         f"http://{config.host}:{config.port}")
     stop = threading.Event()
