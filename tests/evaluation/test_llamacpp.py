@@ -6,6 +6,7 @@ decoder through the Python bindings."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import sys
 
 import pytest
@@ -140,6 +141,8 @@ def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
 
 
 @needs_server
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                    reason="llama.cpp's Python bindings are not installed (make engine)")
 def test_the_bindings_decode_as_the_server_does(tmp_path, tokenizer):
     import httpx
 
