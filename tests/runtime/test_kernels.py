@@ -235,10 +235,10 @@ def test_the_batched_op_refuses_a_table_outside_the_pool(built):
     cache = make("kivi2", backend="cpu")
     feed(cache, 40, batch=2)
     store = cache.layers[0].store
-    table, query = batch.table(store), torch.randn(2, HQ, D)
+    table, query = store.steps.table(store), torch.randn(2, HQ, D)
     pool = cpu._pool_arguments(batch.pool_view(store))
     slots = [store.keys.float().contiguous(), store.values.float().contiguous()]
-    head = [query, D**-0.5, *slots, batch.spans(store), cache.method.group]
+    head = [query, D**-0.5, *slots, torch.tensor(store.float_spans()), cache.method.group]
     assert torch.ops.kvmix.decode_batch(*head, table.pages, table.held, table.counts,
                                         *pool).isfinite().all()
     for pages, held, counts, message in [

@@ -22,6 +22,7 @@ from kvmix.runtime.accounting import layout
 from kvmix.runtime.kernels import cpu, gpu, unserved
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 from kvmix.runtime.pool import FREE
+from kvmix.runtime.steps import Kind
 
 QUANTIZED_LAYER_TYPES = ("full_attention", "sliding_attention")
 FULL_PRECISION_KINDS = ("sink", "residual", "full", "other_layers")
@@ -102,10 +103,12 @@ class KVMixCache(Cache):
         max_pages(self.method, max_batch, max_tokens)  # both or neither, before any layer
         text_config = config.get_text_config(decoder=True)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+        kinds: dict[int | None, Kind] = {}  # per kind: its layers move in lockstep
         layers = [
             KVMixLayer(self.method, i, backend, max_batch,
                        max_pages(self.method, max_batch, max_tokens,
-                                 kwargs.get("sliding_window")), kwargs.get("sliding_window"))
+                                 kwargs.get("sliding_window")), kwargs.get("sliding_window"),
+                       kinds.setdefault(kwargs.get("sliding_window"), Kind()))
             if kind in QUANTIZED_LAYER_TYPES
             else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
             for i, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True))

@@ -44,6 +44,7 @@ from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.accounting import slack_bytes, store_bytes
 from kvmix.runtime.kernels import cpu, gpu, interpreting, reference
 from kvmix.runtime.pool import PagePool, PoolFull
+from kvmix.runtime.steps import Kind
 from kvmix.runtime.store import (
     FLOAT16_MAX,
     BatchStore,
@@ -104,9 +105,11 @@ class KVMixLayer(CacheLayerMixin):
 
     def __init__(self, method: Method, layer_idx: int, backend: str = "torch",
                  max_batch: int | None = None, max_pages: int | None = None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, kind: Kind | None = None):
         """sliding_window: W of a sliding-window layer (each query sees itself and the W - 1
-        tokens before it; pages behind the window are released), None for full attention."""
+        tokens before it; pages behind the window are released), None for full attention.
+        kind: the token every layer of this one's kind shares, for their decode-step metadata
+        (the cache gives one per kind; by default the layer's own)."""
         super().__init__()
         if sliding_window is not None and (not isinstance(sliding_window, int)
                                            or sliding_window < 1):
@@ -118,6 +121,7 @@ class KVMixLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.backend = backend  # "torch" (the reference path), "cpu" or "triton" (fused ops)
         self.max_batch, self.max_pages = max_batch, max_pages
+        self.kind = kind or Kind()
         self.reset()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -342,7 +346,8 @@ class KVMixLayer(CacheLayerMixin):
     def reset(self) -> None:
         hint = (f" (raise max_tokens or max_batch of make_cache; layer {self.layer_idx})")
         self.pool = PagePool(self.max_pages, hint)
-        self.store = BatchStore(self.method, self.layer_idx, self.pool, self.sliding_window)
+        self.store = BatchStore(self.method, self.layer_idx, self.pool, self.sliding_window,
+                                self.kind)
         self.pads: list[int] = []
         self.length = 0  # positions transformers sees, padding included
         self.staged = None

@@ -41,6 +41,7 @@ from kvmix.core.memory import storage_bytes
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
 from kvmix.runtime.pool import FREE, PagePool
+from kvmix.runtime.steps import Kind, Step, StepMeta, meta
 
 FLOAT16_MAX = torch.finfo(torch.float16).max
 
@@ -65,7 +66,10 @@ def sealed_groups(method: Method, tokens: int) -> int:
 class BatchStore:
     """Float slots, block table and selections of every sequence of one layer."""
 
-    def __init__(self, method: Method, layer: int, pool: PagePool, window: int | None = None):
+    def __init__(self, method: Method, layer: int, pool: PagePool, window: int | None = None,
+                 kind: Kind | None = None):
+        """kind: the token shared by the layers of this one's kind, whose decode-step
+        metadata they share (its own by default)."""
         self.method = method
         self.layer = layer
         self.pool = pool
@@ -79,6 +83,7 @@ class BatchStore:
         self.dropped: list[int] = []  # tokens of pages released behind the window, per row
         self.selections: list[Any] = []  # per row, batch dimension 1 (None before prefill)
         self.prefilled: list[bool] = []
+        self.kind = kind or Kind()
         # bumped when selections (or the rows) change, and when the block table changes: the
         # fused ops' cached arguments key on them
         self.version = self.table_version = 0
@@ -159,6 +164,16 @@ class BatchStore:
         self.keys, self.values = (buffer[:rows] for buffer in self._buffers)
         self.version += 1
         self.table_version += 1
+
+    @property
+    def steps(self) -> StepMeta:
+        """The decode-step metadata of this store's kind (kept outside the cache)."""
+        return meta(self.kind)
+
+    @property
+    def step(self) -> Step | None:
+        """The last decode step's metadata on the device (slots, spans, skips)."""
+        return self.steps.current(self)
 
     @property
     def batch(self) -> int:
@@ -272,16 +287,13 @@ class BatchStore:
     # -- writing: one token per row (a decode step) --------------------------------------------
 
     def write(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """One new token per row, keys, values [B, H, 1, D], into its sink or residual slot."""
-        positions = [self._slot(b) for b in range(self.batch)]
-        if positions.count(positions[0]) == len(positions):  # one slot for all: a plain copy
-            self.keys[:, :, positions[0]] = keys[:, :, 0]
-            self.values[:, :, positions[0]] = values[:, :, 0]
-            return
-        rows = torch.arange(self.batch, device=keys.device)
-        index = torch.tensor(positions, device=keys.device)
-        self.keys[rows, :, index] = keys[:, :, 0]
-        self.values[rows, :, index] = values[:, :, 0]
+        """One new token per row, keys, values [B, H, 1, D], into its sink or residual slot,
+        through the step's slot index on the device (``self.step``, uploaded once per step for
+        every layer of the kind): no host value of the step reaches the launch."""
+        step = self.steps.advance(self, [self._slot(b) for b in range(self.batch)])
+        index = step.slots.view(-1, 1, 1, 1).expand(-1, keys.shape[1], 1, keys.shape[-1])
+        self.keys.scatter_(2, index, keys.to(self.keys.dtype))
+        self.values.scatter_(2, index, values.to(self.values.dtype))
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Every row's sink and residual lengths (what a decode step's ``write`` changes)."""

@@ -55,6 +55,7 @@ from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
 from kvmix.runtime.pool import FREE
+from kvmix.runtime.steps import Staged
 from kvmix.runtime.store import FLOAT16_MAX, RowFault
 from kvmix.serving.budget import Budget, Reservation, model_architecture
 from kvmix.serving.engine import Served, greedy
@@ -154,6 +155,7 @@ class KVMixPagedCache(PagedAttentionCache):
         self.inject: Callable[[str, int], None] | None = None
         self._entries: list[tuple[str, int, int]] = []
         self._step: Step | None = None
+        self._positions = Staged()  # each running row's place in the forward, on the device
         self._before: tuple[dict[str, int], list[str]] | None = None  # rows before the step
         self._waiting_refused = False
 
@@ -358,7 +360,7 @@ class KVMixPagedCache(PagedAttentionCache):
         for request_id, _, _ in joins:
             self.rows[request_id] = len(self.order)
             self.order.append(request_id)
-        decode = torch.tensor(positions, device=self.device) if positions else None
+        decode = self._positions.fill(positions, self.device) if positions else None
         return Step(decode, [(at, length) for _, at, length in joins], list(self.order))
 
     # -- figures -------------------------------------------------------------------------------

@@ -1,9 +1,8 @@
-"""What a batched decode step reads, shared by the fused backends (CPU op, Triton): the layer's
-page pool as one kernel view, the per-sequence parts of it (plane channels and key offsets
-follow each sequence's selection), and the block table as tensors.
-
-Both are cached per store and rebuilt only when what they depend on changes (selections or the
-pool's tensors; the table), outside the cache so its bytes are the cache's own only.
+"""What a batched decode step reads besides the step's metadata (``kvmix.runtime.steps``),
+shared by the fused backends (CPU op, Triton): the layer's page pool as one kernel view and the
+per-sequence parts of it (plane channels and key offsets follow each sequence's selection),
+cached per store and rebuilt only when selections or the pool's tensors change, outside the
+cache so its bytes are the cache's own only.
 """
 
 from __future__ import annotations
@@ -30,19 +29,7 @@ class PoolView:
     offset: torch.Tensor | None  # [B, H, D] float32
 
 
-@dataclass
-class Table:
-    """The block table on the store's device: page ids and tokens held [B, M] (padded with
-    page 0, held 0), page counts [B], all int64."""
-
-    pages: torch.Tensor
-    held: torch.Tensor
-    counts: torch.Tensor
-    width: int
-
-
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def pool_view(store: BatchStore) -> PoolView | None:
@@ -53,26 +40,6 @@ def pool_view(store: BatchStore) -> PoolView | None:
         cached = key, _pool_view(store)
         _VIEWS[store] = cached
     return cached[1]
-
-
-def table(store: BatchStore) -> Table:
-    cached = _TABLES.get(store)
-    if cached is None or cached[0] != store.table_version:
-        cached = store.table_version, _table(store)
-        _TABLES[store] = cached
-    return cached[1]
-
-
-def spans(store: BatchStore) -> torch.Tensor:
-    """Per sequence (sink start, sink length, residual start, residual length) in the float
-    slots, what its newest token sees: [B, 4] int64 on the store's device."""
-    return _tensor(store.float_spans(), store.keys.device)
-
-
-def skips(store: BatchStore) -> torch.Tensor | None:
-    """Per sequence, tokens at the front of its first page a sliding window hides: [B] int64
-    on the store's device; None for a full-attention layer."""
-    return None if store.window is None else _tensor(store.skips(), store.keys.device)
 
 
 def _pool_view(store: BatchStore) -> PoolView | None:
@@ -92,19 +59,3 @@ def _pool_view(store: BatchStore) -> PoolView | None:
     mult = [torch.stack([p[i].mult for p in planes]).float() for i in count]
     offset = torch.stack([views[id(s)].keys.offset.float() for s in store.selections])
     return PoolView(first, index, mult, offset.contiguous())
-
-
-def _table(store: BatchStore) -> Table:
-    width = max(1, *(len(p) for p in store.pages))
-    pad = [[0] * (width - len(p)) for p in store.pages]
-    device = store.keys.device
-    pages = [p + z for p, z in zip(store.pages, pad, strict=True)]
-    held = [h + z for h, z in zip(store.held, pad, strict=True)]
-    return Table(_tensor(pages, device), _tensor(held, device),
-                 _tensor([len(p) for p in store.pages], device), width)
-
-
-def _tensor(values: list, device: torch.device) -> torch.Tensor:
-    """A host list as an int64 tensor on ``device`` (a host-to-device copy: it waits for no
-    kernel, so no sync)."""
-    return torch.tensor(values, dtype=torch.long, device=device)

@@ -139,12 +139,12 @@ def prepare(store: BatchStore) -> None:
 def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds and sees -> [B, Hq, 1, D]."""
-    table = batch.table(store)
+    table, step = store.steps.table(store), store.step
     out = torch.ops.kvmix.decode_batch(_float32(query[:, :, 0]), scaling, store.keys,
-                                       store.values, batch.spans(store), store.method.group,
+                                       store.values, step.spans, store.method.group,
                                        table.pages, table.held, table.counts,
                                        *_pool_arguments(batch.pool_view(store)),
-                                       skip=batch.skips(store))
+                                       skip=step.skips if store.window is not None else None)
     return out.unsqueeze(2).to(query.dtype)
 
 

@@ -7,14 +7,24 @@ A decode step of the whole batch (``attend_batch``) and the few new queries of o
 (``attend``) take the same page kernels:
 
 1. a program per (sequence, KV head) and split of the sequence's pages, read through a block
-   table; its query rows (query heads per KV head × new queries, pre-scaled by ``scaling``) are
-   the ``tl.dot`` M dimension. Per page: scores from the codes (per-channel keys: the bias
-   Σ_c q_c·(min_c + scale_c·offset_c) plus each plane's Σ_c q_c·scale_c·mult_c·code_c; per-token
-   keys: dequantized tiles), masked past the page's held tokens and before a sliding window's
-   edge, folded into a running (max, sum, acc) with p·V from the value codes. No score buffer:
-   each program writes one partial (acc, max, sum);
-2. the float segments (sink, residual, the new tokens, causally) in torch as one more partial;
-3. ``_merge``: the partials merged by log-sum-exp.
+   table; its query rows (query heads per KV head × new queries, scaled by ``scaling`` as they
+   load) are the ``tl.dot`` M dimension. Per page: scores from the codes (per-channel keys: the
+   bias Σ_c q_c·(min_c + scale_c·offset_c) plus each plane's Σ_c q_c·scale_c·mult_c·code_c;
+   per-token keys: dequantized tiles), masked past the page's held tokens and before a sliding
+   window's edge, folded into a running (max, sum, acc) with p·V from the value codes. No score
+   buffer: each program writes one partial (acc, max, sum);
+2. the float segments: in a decode step, one more program per (sequence, KV head) of the same
+   launch attends its float slots (sink and residual, masked by the step's spans); for a few
+   new queries of one sequence (``attend``), the sink, residual and new tokens, causally, in
+   torch as one more partial;
+3. ``_merge``: the partials merged by log-sum-exp, written in the query's dtype.
+
+A decode step is two launches (pages and slots, then the merge) whose arguments are the same
+from step to step while the batch and the block table's width stay: the grid is (sequences ×
+KV heads, splits + 1) with the split count from the table's width (a power of two) and the
+batch, each program reads its sequence's page count on the device, and the step's metadata
+lives in persistent tensors (``kvmix.runtime.steps``). Sealing a page changes what the
+tensors hold, not the launch.
 
 Codes load as 32-bit words where a row is whole, aligned words (the common groups: 32 or more
 tokens at 1 bit, 16 or more at 2, 4 and 8): one load per word, codes by shift and mask in
@@ -28,6 +38,7 @@ import torch
 from kvmix.core.packing import row_bytes
 from kvmix.methods import ChannelKeys, KernelView, TokenGroups
 from kvmix.runtime.kernels import batch
+from kvmix.runtime.steps import Table
 from kvmix.runtime.store import BatchStore, RowView
 
 try:
@@ -44,6 +55,7 @@ KERNEL_BITS = (1, 2, 3, 4, 8)
 PROGRAMS = 1024  # programs (sequences × KV heads × splits) to aim for: several per SM
 MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
 STAGES = 2  # software pipelining of the page loop: the next page's codes load during this one
+SLOT_TILE = 64  # float slots a decode step's slot program attends per iteration
 
 
 def available() -> tuple[bool, str]:
@@ -87,10 +99,10 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     if view is not None:
         check_view(view, dim)
         pool, table = _row_pages(view, row.lengths, grouped.device)
-        partials.insert(0, _page_partials(pool, table, None, grouped, row.method.group,
+        partials.insert(0, _page_partials(pool, table, None, grouped, 1.0, row.method.group,
                                           _precision(query)))
-    out = _merged_rows(partials)  # [H·R, D]
-    return out.reshape(heads * rep, queries, dim)[None].to(query.dtype)
+    out = _merged_rows(partials, query.dtype)  # [H·R, D]
+    return out.reshape(heads * rep, queries, dim)[None]
 
 
 def batched(store: BatchStore) -> bool:
@@ -109,25 +121,29 @@ def prepare(store: BatchStore) -> None:
 
 def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A decode step of the whole batch: query [B, Hq, 1, D] of each sequence's new token,
-    already in its slot -> [B, Hq, 1, D]. The pages in one pass (a program per sequence, KV
-    head and split of its pages: scores, online softmax and p·V straight from the codes, no
-    score buffer), the float slots as one batched partial, merged by log-sum-exp."""
+    already in its slot -> [B, Hq, 1, D]. One launch over the pages and the float slots (a
+    program per sequence, KV head and split of its pages: scores, online softmax and p·V
+    straight from the codes, no score buffer; one more per sequence and KV head for its slots),
+    one launch merging them by log-sum-exp."""
     rows, heads, dim = query.shape[0], store.keys.shape[1], query.shape[-1]
-    grouped = (query[:, :, 0].float() * scaling).reshape(rows, heads, -1, dim).contiguous()
-    partials = [_slot_partial(store, grouped)]
-    if any(store.pages):
-        partials.insert(0, _page_partials(batch.pool_view(store), batch.table(store),
-                                          batch.skips(store), grouped, store.method.group,
-                                          _precision(query)))
-    out = _merged_rows(partials)  # [B·H·R, D]
-    return out.reshape(rows, query.shape[1], 1, dim).to(query.dtype)
+    grouped = query.contiguous().view(rows, heads, -1, dim)  # [B, H, R, D], scaled as it loads
+    pool = batch.pool_view(store)
+    if pool.view is None:  # no page yet: float "pages" the kernel never reads (counts are 0)
+        pool = batch.PoolView(KernelView(store.keys, store.values), [], [], None)
+    step = store.step
+    partials = _page_partials(pool, store.steps.table(store), step.skips, grouped, scaling,
+                              store.method.group, _precision(query),
+                              (store.keys, store.values, step.spans))
+    out = torch.empty(rows * query.shape[1], dim, dtype=query.dtype, device=query.device)
+    _merge_into(*partials, out)
+    return out.view(rows, query.shape[1], 1, dim)
 
 
 def _row_pages(view: KernelView, lengths: list[int],
-               device: torch.device) -> tuple[batch.PoolView, batch.Table]:
+               device: torch.device) -> tuple[batch.PoolView, Table]:
     """One sequence's blocks as a pool of pages 0..n-1 and its block table."""
     blocks = len(lengths)
-    table = batch.Table(torch.arange(blocks, device=device)[None],
+    table = Table(torch.arange(blocks, device=device)[None],
                         torch.tensor([lengths], dtype=torch.long, device=device),
                         torch.tensor([blocks], dtype=torch.long, device=device), blocks)
     if not isinstance(view.keys, ChannelKeys):
@@ -138,39 +154,31 @@ def _row_pages(view: KernelView, lengths: list[int],
                           view.keys.offset[None].float().contiguous()), table
 
 
-def _slot_partial(store: BatchStore, grouped: torch.Tensor):
-    """Sink and residual slots of every sequence: (acc [1, B, H, R, D], max, sum [1, B, H, R])."""
-    spans = batch.spans(store)  # [B, 4] on the device
-    slots = store.keys.shape[2]
-    position = torch.arange(slots, device=grouped.device)
-    valid = ((position >= spans[:, 0:1]) & (position < spans[:, 0:1] + spans[:, 1:2])) | (
-        (position >= spans[:, 2:3]) & (position < spans[:, 2:3] + spans[:, 3:4]))
-    scores = grouped @ store.keys.float().transpose(-1, -2)  # [B, H, R, T]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    top = scores.amax(-1)
-    weights = torch.exp(scores - top[..., None])
-    return (weights @ store.values.float())[None], top[None], weights.sum(-1)[None]
-
-
-def _page_partials(pool: batch.PoolView, table: batch.Table, skip: torch.Tensor | None,
-                   grouped: torch.Tensor, group: int, precision: str):
-    """grouped [B, H, R, D] over every sequence's pages (``table``; ``skip``: tokens a sliding
-    window hides at the front of each first page) -> (acc [S, B, H, R, D], max, sum)."""
-    rows, heads, reps, dim = grouped.shape
+def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None,
+                   query: torch.Tensor, scaling: float, group: int, precision: str,
+                   slots: tuple[torch.Tensor, ...] | None = None):
+    """query [B, H, R, D] (scaled by ``scaling`` as it loads) over every sequence's pages
+    (``table``; ``skip``: tokens a sliding window hides at the front of each first page) and,
+    with ``slots`` (keys, values [B, H, T, D] and spans [B, 4]), each sequence's float slots as
+    one more split -> (acc [S, B, H, R, D], max, sum)."""
+    rows, heads, reps, dim = query.shape
     splits = max(1, min(table.width, -(-PROGRAMS // (rows * heads))))
-    per_split = -(-table.width // splits)
-    splits = -(-table.width // per_split)
-    acc = torch.empty(splits, rows, heads, reps, dim, device=grouped.device)
-    top = torch.empty(splits, rows, heads, reps, device=grouped.device)
+    parts = splits + (slots is not None)
+    acc = torch.empty(parts, rows, heads, reps, dim, device=query.device)
+    top = torch.empty(parts, rows, heads, reps, device=query.device)
     total = torch.empty_like(top)
+    slot_keys, slot_values, spans = slots or (query, query, table.counts)  # unread without
+    count = slot_keys.shape[2] if slots else 0
     view = pool.view
-    common = (*_source(view.values, dim), acc, top, total, heads, reps, dim, per_split)
+    common = (*_source(view.values, dim), acc, top, total, heads, reps, dim, slot_keys,
+              slot_values, spans, count)
     sizes = {"G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
-             "BLOCK_D": _pow2(dim), "PRECISION": precision, "num_warps": _warps(dim),
-             "num_stages": STAGES}
-    grid = (rows * heads, splits)
+             "BLOCK_D": _pow2(dim), "BLOCK_T": min(_pow2(count), SLOT_TILE),
+             "PRECISION": precision, "num_warps": _warps(dim), "num_stages": STAGES}
+    grid = (rows * heads, parts)
     skip = torch.zeros_like(table.counts) if skip is None else skip
-    table_args = (grouped, table.pages, table.held, table.counts, skip, table.width)
+    table_args = (query, scaling, table.pages, table.held, table.counts, skip, table.width,
+                  splits)
     if isinstance(view.keys, ChannelKeys):
         _channel_pages[grid](*table_args, *_plane_arguments(view.keys, pool, group), *common,
                              NPLANES=len(view.keys.planes), **sizes)
@@ -194,16 +202,24 @@ def _plane_arguments(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tup
     return (keys.scale.contiguous(), keys.minimum.contiguous(), pool.offset, *planes)
 
 
-def _merged_rows(partials) -> torch.Tensor:
-    """Partials (acc [S, ..., D], max [S, ...], sum) -> [N, D], N the rows they share."""
+def _merged_rows(partials, dtype: torch.dtype) -> torch.Tensor:
+    """Partials (acc [S, ..., D], max [S, ...], sum) -> [N, D] in ``dtype``, N the rows they
+    share."""
     acc = torch.cat([a.reshape(a.shape[0], -1, a.shape[-1]) for a, _, _ in partials])
     top = torch.cat([m.reshape(m.shape[0], -1) for _, m, _ in partials])
     total = torch.cat([s.reshape(s.shape[0], -1) for _, _, s in partials])
-    splits, rows, dim = acc.shape
-    out = torch.empty(rows, dim, device=acc.device)
-    _merge[(rows,)](acc.contiguous(), top.contiguous(), total.contiguous(), out, splits, rows,
-                    dim, BLOCK_S=_pow2(splits), BLOCK_D=_pow2(dim))
+    out = torch.empty(acc.shape[1], acc.shape[2], dtype=dtype, device=acc.device)
+    _merge_into(acc, top, total, out)
     return out
+
+
+def _merge_into(acc: torch.Tensor, top: torch.Tensor, total: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """acc [S, ..., D], max and sum [S, ...] (contiguous) merged by log-sum-exp into out
+    [N, D]: one program per row."""
+    rows, dim = out.shape
+    _merge[(rows,)](acc, top, total, out, acc.shape[0], rows, dim,
+                    BLOCK_S=_pow2(acc.shape[0]), BLOCK_D=_pow2(dim))
 
 
 def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
@@ -355,8 +371,8 @@ if triton is not None:
         return tile
 
     @triton.jit
-    def _plane_part(query, rows, dim, scale, codes, index, mult, channels, block_bytes, width,
-                    low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
+    def _plane_part(query, qscale, rows, dim, scale, codes, index, mult, channels, block_bytes,
+                    width, low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
                     WORDS: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
         """One plane's share of a page's scores: Σ_c q[r, idx_c]·scale[idx_c]·mult_c·code_c[t]
@@ -370,7 +386,8 @@ if triton is not None:
         weight = tl.load(mult + at, mask=has_c, other=0.0)
         weight *= tl.load(scale + channel, mask=has_c, other=0).to(tl.float32)
         q = tl.load(query + r[:, None] * dim + channel[None, :],
-                    mask=(r[:, None] < rows) & has_c[None, :], other=0.0)  # [R, C]
+                    mask=(r[:, None] < rows) & has_c[None, :], other=0.0)
+        q = q.to(tl.float32) * qscale  # [R, C]
         start = codes + page * block_bytes + (head * channels + c) * width  # [C]
         if WORDS:  # then G == BLOCK_G
             x = _word_rows(start, has_c, low_width, BLOCK_C, BLOCK_G, BITS)  # [C, G]
@@ -380,7 +397,7 @@ if triton is not None:
         return tl.dot(q * weight[None, :], x, input_precision=PRECISION)
 
     @triton.jit
-    def _page_scores(query, rows, dim, key_scale, key_min, offset,
+    def _page_scores(query, qscale, rows, dim, key_scale, key_min, offset,
                      c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
                      W0: tl.constexpr,
                      c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
@@ -402,22 +419,23 @@ if triton is not None:
         shift = tl.load(key_min + stats + d, mask=has_d, other=0).to(tl.float32)
         shift += scale * tl.load(offset + (seq * heads + head) * dim + d, mask=has_d, other=0.0)
         q = tl.load(query + r[:, None] * dim + d[None, :],
-                    mask=(r[:, None] < rows) & has_d[None, :], other=0.0)  # [R, D]
+                    mask=(r[:, None] < rows) & has_d[None, :], other=0.0)
+        q = q.to(tl.float32) * qscale  # [R, D]
         scores = tl.zeros([BLOCK_R, BLOCK_G], tl.float32) + tl.sum(q * shift[None, :],
                                                                     axis=1)[:, None]
-        scores += _plane_part(query, rows, dim, key_scale + stats, c0, i0, m0, n0, b0, w0, l0,
+        scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c0, i0, m0, n0, b0, w0, l0,
                               BITS0, C0, W0, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                               PRECISION)
         if NPLANES > 1:
-            scores += _plane_part(query, rows, dim, key_scale + stats, c1, i1, m1, n1, b1, w1,
+            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c1, i1, m1, n1, b1, w1,
                                   l1, BITS1, C1, W1, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         if NPLANES > 2:
-            scores += _plane_part(query, rows, dim, key_scale + stats, c2, i2, m2, n2, b2, w2,
+            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c2, i2, m2, n2, b2, w2,
                                   l2, BITS2, C2, W2, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         if NPLANES > 3:
-            scores += _plane_part(query, rows, dim, key_scale + stats, c3, i3, m3, n3, b3, w3,
+            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c3, i3, m3, n3, b3, w3,
                                   l3, BITS3, C3, W3, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         return scores
@@ -434,15 +452,49 @@ if triton is not None:
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_G)
         seen = (r[:, None] < rows) & (t[None, :] >= first) & (t[None, :] < length)
-        scores = tl.where(seen, scores, float("-inf"))
+        v = _token_tile(codes, scale, minimum, page, head, heads, dim, block_bytes, width,
+                        low_width, GROUP, G, BITS, SYMMETRIC, WORDS, BLOCK_G, BLOCK_D)  # [G, D]
+        return _fold(tl.where(seen, scores, float("-inf")), v, running, mass, out, PRECISION)
+
+    @triton.jit
+    def _fold(scores, v, running, mass, out, PRECISION: tl.constexpr):
+        """Masked scores [R, T] (-inf: unseen) and their values [T, D] into the running (max
+        [R], sum [R], acc [R, D]) of an online softmax."""
         peak = tl.maximum(running, tl.max(scores, axis=1))
         safe = tl.where(peak == float("-inf"), 0.0, peak)
         p = tl.exp(scores - safe[:, None])
         decay = tl.exp(running - safe)
-        v = _token_tile(codes, scale, minimum, page, head, heads, dim, block_bytes, width,
-                        low_width, GROUP, G, BITS, SYMMETRIC, WORDS, BLOCK_G, BLOCK_D)  # [G, D]
         out = out * decay[:, None] + tl.dot(p, v, input_precision=PRECISION)
         return peak, mass * decay + tl.sum(p, axis=1), out
+
+    @triton.jit
+    def _slots(query, qscale, keys, values, spans, seq, head, heads, count, rows, dim,
+               running, mass, out, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+               BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+        """A sequence's float slots for one KV head into the online softmax: keys, values
+        [B, H, T, D] (``count`` = T slots, any float dtype), what its newest token sees given by
+        ``spans`` [B, 4] (sink start and length, residual start and length)."""
+        r = tl.arange(0, BLOCK_R)
+        t = tl.arange(0, BLOCK_T)
+        d = tl.arange(0, BLOCK_D)
+        q = tl.load(query + r[:, None] * dim + d[None, :],
+                    mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
+        q = q.to(tl.float32) * qscale  # [R, D]
+        sink, sinks = tl.load(spans + seq * 4), tl.load(spans + seq * 4 + 1)
+        residual, residuals = tl.load(spans + seq * 4 + 2), tl.load(spans + seq * 4 + 3)
+        base = (seq * heads + head) * count * dim
+        for start in range(0, count, BLOCK_T):
+            at = start + t
+            where = base + at[:, None] * dim + d[None, :]
+            held = (at[:, None] < count) & (d[None, :] < dim)
+            k = tl.load(keys + where, mask=held, other=0.0).to(tl.float32)  # [T, D]
+            v = tl.load(values + where, mask=held, other=0.0).to(tl.float32)
+            seen = ((at >= sink) & (at < sink + sinks)) | ((at >= residual)
+                                                          & (at < residual + residuals))
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, T]
+            scores = tl.where((r[:, None] < rows) & seen[None, :], scores, float("-inf"))
+            running, mass, out = _fold(scores, v, running, mass, out, PRECISION)
+        return running, mass, out
 
     @triton.jit
     def _keep(acc, top, total, running, mass, out, split, program, programs, rows, dim,
@@ -457,7 +509,8 @@ if triton is not None:
                  mask=(r[:, None] < rows) & (d[None, :] < dim))
 
     @triton.jit
-    def _channel_pages(query, pages, held, counts, skip, width, key_scale, key_min, offset,
+    def _channel_pages(query, qscale, pages, held, counts, skip, width, splits, key_scale,
+                       key_min, offset,
                        c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
                        W0: tl.constexpr,
                        c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
@@ -468,71 +521,85 @@ if triton is not None:
                        W3: tl.constexpr,
                        values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
                        V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr,
-                       acc, top, total,
-                       heads, rows, dim, per_split, NPLANES: tl.constexpr, G: tl.constexpr,
+                       acc, top, total, heads, rows, dim, slot_keys, slot_values, spans,
+                       slot_count, NPLANES: tl.constexpr, G: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
         """A program per (sequence, KV head) and split of the sequence's pages, read through
-        the block table: per-channel key scores, online softmax, p·V, in one pass."""
+        the block table (its page count read here: the grid does not follow it): per-channel
+        key scores, online softmax, p·V, in one pass. Split ``splits`` (when the grid has it)
+        attends the sequence's float slots."""
         program, split = tl.program_id(0), tl.program_id(1)
         seq, head = program // heads, program % heads
         q = query + program * rows * dim  # this program's query rows [R, D]
         running = tl.full([BLOCK_R], float("-inf"), tl.float32)
         mass = tl.zeros([BLOCK_R], tl.float32)
         out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        first = split * per_split
-        for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
-            page = tl.load(pages + seq * width + n)
-            scores = _page_scores(q, rows, dim, key_scale, key_min, offset,
-                                     c0, i0, m0, n0, b0, w0, l0, BITS0, C0, W0,
-                                     c1, i1, m1, n1, b1, w1, l1, BITS1, C1, W1,
-                                     c2, i2, m2, n2, b2, w2, l2, BITS2, C2, W2,
-                                     c3, i3, m3, n3, b3, w3, l3, BITS3, C3, W3,
-                                     NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
-                                     BLOCK_D, PRECISION)
-            hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
-            running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
-                                         running, mass, out, values, v_scale, v_min, v_bytes,
-                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, V_WORDS,
-                                         page,
-                                         head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
-                                         PRECISION)
+        if split < splits:
+            count = tl.load(counts + seq)
+            per = tl.cdiv(count, splits)
+            for n in range(split * per, tl.minimum(split * per + per, count)):
+                page = tl.load(pages + seq * width + n)
+                scores = _page_scores(q, qscale, rows, dim, key_scale, key_min, offset,
+                                      c0, i0, m0, n0, b0, w0, l0, BITS0, C0, W0,
+                                      c1, i1, m1, n1, b1, w1, l1, BITS1, C1, W1,
+                                      c2, i2, m2, n2, b2, w2, l2, BITS2, C2, W2,
+                                      c3, i3, m3, n3, b3, w3, l3, BITS3, C3, W3,
+                                      NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+                                      BLOCK_D, PRECISION)
+                hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
+                running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
+                                             running, mass, out, values, v_scale, v_min,
+                                             v_bytes, v_width, v_low, V_GROUP, V_BITS,
+                                             V_SYMMETRIC, V_WORDS, page, head, heads, rows, dim,
+                                             G, BLOCK_R, BLOCK_G, BLOCK_D, PRECISION)
+        else:
+            running, mass, out = _slots(q, qscale, slot_keys, slot_values, spans, seq, head,
+                                        heads, slot_count, rows, dim, running, mass, out,
+                                        BLOCK_R, BLOCK_T, BLOCK_D, PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
               dim, BLOCK_R, BLOCK_D)
 
     @triton.jit
-    def _token_pages(query, pages, held, counts, skip, width, keys, k_scale, k_min, k_bytes,
-                     k_width, k_low, K_GROUP: tl.constexpr, K_BITS: tl.constexpr,
-                     K_SYMMETRIC: tl.constexpr, K_WORDS: tl.constexpr, values, v_scale, v_min,
-                     v_bytes, v_width, v_low, V_GROUP: tl.constexpr, V_BITS: tl.constexpr,
-                     V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr, acc, top, total, heads,
-                     rows, dim, per_split,
-                     G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    def _token_pages(query, qscale, pages, held, counts, skip, width, splits, keys, k_scale,
+                     k_min, k_bytes, k_width, k_low, K_GROUP: tl.constexpr,
+                     K_BITS: tl.constexpr, K_SYMMETRIC: tl.constexpr, K_WORDS: tl.constexpr,
+                     values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
+                     V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr,
+                     acc, top, total, heads, rows, dim, slot_keys, slot_values, spans,
+                     slot_count, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
         """As ``_channel_pages`` for per-token key groups (WUSH, rotations) and float pages."""
         program, split = tl.program_id(0), tl.program_id(1)
         seq, head = program // heads, program % heads
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
-        q = tl.load(query + (program * rows + r[:, None]) * dim + d[None, :],
-                    mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)  # [R, D]
+        q = query + program * rows * dim
         running = tl.full([BLOCK_R], float("-inf"), tl.float32)
         mass = tl.zeros([BLOCK_R], tl.float32)
         out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        first = split * per_split
-        for n in range(first, tl.minimum(first + per_split, tl.load(counts + seq))):
-            page = tl.load(pages + seq * width + n)
-            k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
-                            k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, K_WORDS, BLOCK_G,
-                            BLOCK_D)  # [G, D]
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, G]
-            hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
-            running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
-                                         running, mass, out, values, v_scale, v_min, v_bytes,
-                                         v_width, v_low, V_GROUP, V_BITS, V_SYMMETRIC, V_WORDS,
-                                         page,
-                                         head, heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
-                                         PRECISION)
+        if split < splits:
+            rows_q = tl.load(q + r[:, None] * dim + d[None, :],
+                             mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
+            rows_q = rows_q.to(tl.float32) * qscale  # [R, D]
+            count = tl.load(counts + seq)
+            per = tl.cdiv(count, splits)
+            for n in range(split * per, tl.minimum(split * per + per, count)):
+                page = tl.load(pages + seq * width + n)
+                k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
+                                k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, K_WORDS, BLOCK_G,
+                                BLOCK_D)  # [G, D]
+                scores = tl.dot(rows_q, tl.trans(k), input_precision=PRECISION)  # [R, G]
+                hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
+                running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
+                                             running, mass, out, values, v_scale, v_min,
+                                             v_bytes, v_width, v_low, V_GROUP, V_BITS,
+                                             V_SYMMETRIC, V_WORDS, page, head, heads, rows, dim,
+                                             G, BLOCK_R, BLOCK_G, BLOCK_D, PRECISION)
+        else:
+            running, mass, out = _slots(q, qscale, slot_keys, slot_values, spans, seq, head,
+                                        heads, slot_count, rows, dim, running, mass, out,
+                                        BLOCK_R, BLOCK_T, BLOCK_D, PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
               dim, BLOCK_R, BLOCK_D)
 
