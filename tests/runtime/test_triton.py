@@ -23,6 +23,15 @@ TOLERANCE = 1e-5  # float32
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
 
 
+@pytest.fixture(autouse=True)
+def exact_float32():
+    """TF32 off (on a GPU the reference's float32 matmuls would round to 10 bits)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 def check(cache, count, seed, batch, mask=None):
     return compare_rows(cache, count, seed, batch, mask, fused=gpu, tolerance=TOLERANCE,
                         device=DEVICE)
@@ -84,7 +93,16 @@ if gpu.triton is not None:
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1", "chanmix", "wush", "full"])
 def test_one_batched_pass_matches_the_reference_on_a_ragged_batch(name):
     """Per-channel planes (1, 2 and 4 of them), per-token keys and float pages through the
-    batched kernels, a program per sequence, KV head and split of its pages."""
+    batched kernels, a program per sequence and KV head (without a GPU): each one's online
+    softmax runs across all of its sequence's pages, then its float slots'."""
+    compare_batched(name, "triton", steps=12, device=DEVICE)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "wush"])
+def test_splits_of_a_sequence_merge_to_the_reference(name, monkeypatch):
+    """Many programs per sequence and KV head (as on a GPU): pages split between them, splits
+    with no page (the grid does not follow the page count), merged by log-sum-exp."""
+    monkeypatch.setattr(gpu, "PROGRAMS", 64)
     compare_batched(name, "triton", steps=12, device=DEVICE)
 
 

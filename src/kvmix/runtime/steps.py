@@ -21,6 +21,7 @@ alone, as tests do) gets its own upload, never another layer's metadata.
 from __future__ import annotations
 
 import itertools
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -53,6 +54,27 @@ class Table:
 def bucket(n: int, least: int = MIN_WIDTH) -> int:
     """The power of two >= ``n`` (at least ``least``): buffer sizes that grow by doubling."""
     return max(least, 1 << (max(n, 1) - 1).bit_length())
+
+
+class Workspace:
+    """A persistent float32 device buffer for a step's partial results, shared by the layers
+    of a kind (each layer's kernels are done with it before the next layer's start, in stream
+    order); reallocated only when it must grow."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def take(self, shapes: list[tuple[int, ...]], device: torch.device) -> list[torch.Tensor]:
+        """Contiguous views of the buffer, one per shape, back to back."""
+        sizes = [math.prod(shape) for shape in shapes]
+        if self.buffer is None or self.buffer.numel() < sum(sizes) or \
+                self.buffer.device != device:
+            self.buffer = torch.empty(bucket(sum(sizes)), device=device)
+        views, at = [], 0
+        for shape, size in zip(shapes, sizes, strict=True):
+            views.append(self.buffer[at : at + size].view(shape))
+            at += size
+        return views
 
 
 class Staged:
@@ -95,6 +117,7 @@ class StepMeta:
 
     def __init__(self):
         self._step, self._table = Staged(), Staged()
+        self.workspace = Workspace()
         self._step_lists: tuple | None = None  # (device, the host list) uploaded last
         self._table_lists: tuple | None = None  # (device, pages, held) uploaded last
         self._last: Step | None = None

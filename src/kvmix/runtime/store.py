@@ -172,7 +172,8 @@ class BatchStore:
 
     @property
     def step(self) -> Step | None:
-        """The last decode step's metadata on the device (slots, spans, skips)."""
+        """The last decode step's metadata on the device (slots, spans, skips): tensors the
+        layers of the kind share, valid until another layer's step uploads other lists."""
         return self.steps.current(self)
 
     @property

@@ -33,12 +33,14 @@ registers; other rows load byte by byte. The float K/V history is never built.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvmix.core.packing import row_bytes
 from kvmix.methods import ChannelKeys, KernelView, TokenGroups
 from kvmix.runtime.kernels import batch
-from kvmix.runtime.steps import Table
+from kvmix.runtime.steps import Table, Workspace
 from kvmix.runtime.store import BatchStore, RowView
 
 try:
@@ -52,7 +54,8 @@ else:
 
 MAX_QUERIES = 16
 KERNEL_BITS = (1, 2, 3, 4, 8)
-PROGRAMS = 1024  # programs (sequences × KV heads × splits) to aim for: several per SM
+PROGRAMS_PER_SM = 8  # programs (sequences × KV heads × splits) per streaming multiprocessor
+PROGRAMS = 1  # without a CUDA device (the interpreter): one per sequence and KV head
 MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
 STAGES = 2  # software pipelining of the page loop: the next page's codes load during this one
 SLOT_TILE = 64  # float slots a decode step's slot program attends per iteration
@@ -131,9 +134,10 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
     if pool.view is None:  # no page yet: float "pages" the kernel never reads (counts are 0)
         pool = batch.PoolView(KernelView(store.keys, store.values), [], [], None)
     step = store.step
-    partials = _page_partials(pool, store.steps.table(store), step.skips, grouped, scaling,
+    steps = store.steps
+    partials = _page_partials(pool, steps.table(store), step.skips, grouped, scaling,
                               store.method.group, _precision(query),
-                              (store.keys, store.values, step.spans))
+                              (store.keys, store.values, step.spans), steps.workspace)
     out = torch.empty(rows * query.shape[1], dim, dtype=query.dtype, device=query.device)
     _merge_into(*partials, out)
     return out.view(rows, query.shape[1], 1, dim)
@@ -156,17 +160,18 @@ def _row_pages(view: KernelView, lengths: list[int],
 
 def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None,
                    query: torch.Tensor, scaling: float, group: int, precision: str,
-                   slots: tuple[torch.Tensor, ...] | None = None):
+                   slots: tuple[torch.Tensor, ...] | None = None,
+                   workspace: Workspace | None = None):
     """query [B, H, R, D] (scaled by ``scaling`` as it loads) over every sequence's pages
     (``table``; ``skip``: tokens a sliding window hides at the front of each first page) and,
     with ``slots`` (keys, values [B, H, T, D] and spans [B, 4]), each sequence's float slots as
-    one more split -> (acc [S, B, H, R, D], max, sum)."""
+    one more split -> (acc [S, B, H, R, D], max, sum), in ``workspace`` if given."""
     rows, heads, reps, dim = query.shape
-    splits = max(1, min(table.width, -(-PROGRAMS // (rows * heads))))
+    splits = max(1, min(table.width, -(-_programs(query.device) // (rows * heads))))
     parts = splits + (slots is not None)
-    acc = torch.empty(parts, rows, heads, reps, dim, device=query.device)
-    top = torch.empty(parts, rows, heads, reps, device=query.device)
-    total = torch.empty_like(top)
+    shapes = [(parts, rows, heads, reps, dim), (parts, rows, heads, reps),
+              (parts, rows, heads, reps)]
+    acc, top, total = (workspace or Workspace()).take(shapes, query.device)
     slot_keys, slot_values, spans = slots or (query, query, table.counts)  # unread without
     count = slot_keys.shape[2] if slots else 0
     view = pool.view
@@ -258,6 +263,20 @@ def _words(codes: torch.Tensor, row: int, bits: int) -> bool:
     parts = (row_bytes(row, 2), row_bytes(row, 1)) if bits == 3 else (row_bytes(row, bits),)
     return (row == _pow2(row) and all(p % 4 == 0 for p in parts)
             and codes.data_ptr() % 4 == 0 and codes.stride(0) % 4 == 0)
+
+
+def _programs(device: torch.device) -> int:
+    """Programs (sequences × KV heads × splits) a launch aims for: several per SM of the
+    device (split-K sized from the batch and the SM count); PROGRAMS elsewhere (where each
+    program then reads all of its sequence's pages, its online softmax across them)."""
+    if device.type != "cuda":
+        return PROGRAMS
+    return PROGRAMS_PER_SM * _sm_count(device.index or 0)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _precision(query: torch.Tensor) -> str:
