@@ -1,20 +1,34 @@
 """Throughput at equal memory on a GPU, with a random-weight model built from a config (the
-default model's GGUF does not travel to the device): ``kvmix bench --throughput`` on it.
+default model's GGUF does not travel to the device):
 
-Token ids are random (a random-weight model reads any text alike); every figure is measured.
-Usage: python scripts/gpu_throughput.py --out DIR [--memory 512MB] [--batch 1,8,32]
+1. ``kvmix bench --throughput`` on it: kvmix's caches through ``generate`` beside
+   DynamicCache, at batch 1/8/32 and at each cache's largest batch within the budget;
+2. served: ``--requests`` prompts of ``--prompt`` random tokens, ``--tokens`` new tokens each,
+   through kvmix's continuous batching (kivi2, pnmix1) and through transformers' own paged
+   float continuous batching with its CUDA graphs on, each with ``--memory`` of cache:
+   output tokens/s and the ratio to transformers' (``served.json``).
+
+Token ids are random (a random-weight model reads any text alike); every figure is measured,
+and a row that fails records its error. Usage:
+  python scripts/gpu_throughput.py --out DIR [--memory 512MB] [--batch 1,8,32]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvmix.commands.bench import BenchConfig, run_bench
+from kvmix.evaluation.planner import parse_memory
 from kvmix.models.loading import LoadedModel
+from kvmix.serving.anchor import TransformersManager
+from kvmix.serving.paged import KVMixManager
 
 # A 1B-class Llama shape (TinyLlama-1.1B's attention: 32 query heads, 4 KV heads, head dim 64),
 # fewer layers so that prefills of large batches stay short.
@@ -40,6 +54,9 @@ def main() -> None:
     parser.add_argument("--memory", default="512MB")
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--tokens", type=int, default=128)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -52,6 +69,42 @@ def main() -> None:
                          warmup=2, rounds=2, backend=["triton"], device="cuda",
                          dtype=args.dtype, out=args.out)
     run_bench(config, loaded=loaded)
+    served(model, args)
+
+
+def served(model, args) -> None:
+    """Output tokens/s of continuous batching at equal memory (see the module docstring)."""
+    memory = parse_memory(args.memory)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (args.prompt,), generator=generator)
+               .tolist() for _ in range(args.requests)]
+    length = args.prompt + args.tokens
+    managers = {"transformers+graphs": lambda: TransformersManager(
+        model, memory, args.tokens, cuda_graphs=True)}
+    managers |= {method: lambda method=method: KVMixManager(
+        model, method, memory, "triton", args.tokens, length=length)
+        for method in ("kivi2", "pnmix1")}
+    rows = []
+    for name, make in managers.items():
+        row = {"server": name, "memory": memory, "requests": args.requests,
+               "prompt": args.prompt, "tokens": args.tokens}
+        try:
+            manager = make()
+            start = time.perf_counter()
+            results = manager.complete(prompts, args.tokens)
+            seconds = time.perf_counter() - start
+            row["output_tokens_per_s"] = sum(len(r.generated_tokens) for r in results) / seconds
+            row["seconds"] = seconds
+        except Exception as error:  # noqa: BLE001 - a failed row records why
+            row["error"] = f"{type(error).__name__}: {error}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    anchor = rows[0].get("output_tokens_per_s")
+    for row in rows:
+        if anchor and "output_tokens_per_s" in row:
+            row["vs_transformers_graphs"] = row["output_tokens_per_s"] / anchor
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "served.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

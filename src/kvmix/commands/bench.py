@@ -70,7 +70,7 @@ THROUGHPUT_COLUMNS = {"method": "method", "backend": "backend", "group": "group"
                       "cache_bytes": "cache bytes", "peak_bytes": "peak Δ",
                       "prefill_s": "prefill s"}
 OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "batch": "batch",
-              "us_per_step": "µs/layer-step", "gb_per_s": "GB/s",
+              "us_per_step": "µs/layer-step", "host_us_per_step": "host µs", "gb_per_s": "GB/s",
               "limit_us": "µs at copy bandwidth", "of_limit": "of limit", "vs_sdpa": "vs SDPA",
               "vs_float_kernel": "vs float kernel", "nbytes": "cache bytes",
               "encode_us": "encode µs/block"}

@@ -72,6 +72,7 @@ class Candidate:
     nbytes: int | None = None
     encode_us: float | None = None
     seconds: list[float] = field(default_factory=list)
+    host_seconds: list[float] = field(default_factory=list)  # the calls alone, before a sync
 
 
 def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], batches: list[int],
@@ -88,7 +89,9 @@ def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], bat
                            for name in names]
             for _ in range(rounds):
                 for candidate in candidates:
-                    candidate.seconds.append(_timed(candidate.step, steps, device))
+                    host, total = _timed(candidate.step, steps, device)
+                    candidate.seconds.append(total)
+                    candidate.host_seconds.append(host)
             rows += _rows(candidates, context, batch, bandwidth)
             del candidates
             if device.type == "cuda":
@@ -155,17 +158,20 @@ def _encode_us(cache: KVMixCache, tokens: _Tokens, backend: str) -> float:
         with fused_encoding(backend == "triton"):
             method.encode(keys, values, 0, row.selection)
 
-    return 1e6 * statistics.median(_timed(encode, 10, device) for _ in range(5))
+    return 1e6 * statistics.median(_timed(encode, 10, device)[1] for _ in range(5))
 
 
-def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> float:
+def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> tuple[float, float]:
+    """Seconds per call: (host, total). Host: the calls returned, before the device finished
+    (the host work of a step where the device keeps up; on CPU the two are one)."""
     fn()  # warm: compiles and caches kernels
     _sync(device)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
+    host = time.perf_counter() - start
     _sync(device)
-    return (time.perf_counter() - start) / steps
+    return host / steps, (time.perf_counter() - start) / steps
 
 
 def _rows(candidates: list[Candidate], context: int, batch: int,
@@ -175,6 +181,7 @@ def _rows(candidates: list[Candidate], context: int, batch: int,
     us = {c.method: 1e6 * statistics.median(c.seconds) for c in candidates}
     return [{"method": c.method, "backend": c.backend, "context": context, "batch": batch,
              "us_per_step": us[c.method],
+             "host_us_per_step": 1e6 * statistics.median(c.host_seconds),
              "gb_per_s": c.read_bytes / us[c.method] / 1e3,
              "limit_us": 1e6 * c.read_bytes / bandwidth,
              "of_limit": 1e6 * c.read_bytes / bandwidth / us[c.method],

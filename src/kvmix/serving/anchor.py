@@ -21,7 +21,9 @@ class TransformersManager(Served, ContinuousBatchingManager):
     float cache (``num_blocks`` of ``PAGE`` tokens in every layer)."""
 
     def __init__(self, model: Any, memory: float, max_new_tokens: int = 128,
-                 max_batch_tokens: int = 2048):
+                 max_batch_tokens: int = 2048, cuda_graphs: bool = False):
+        """cuda_graphs: transformers' own CUDA graphs of its decode steps (its
+        ``use_cuda_graph``; a GPU setting)."""
         model.set_attn_implementation("sdpa")
         config = model.config.get_text_config(decoder=True)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // \
@@ -37,7 +39,7 @@ class TransformersManager(Served, ContinuousBatchingManager):
         self.max_batch_tokens = max_batch_tokens
         super().__init__(model, greedy(model, max_new_tokens), ContinuousBatchingConfig(
             num_blocks=self.blocks, page_size=PAGE, max_batch_tokens=max_batch_tokens,
-            use_async_batching=False, use_cuda_graph=False, auto_switch_to_flash=False,
+            use_async_batching=False, use_cuda_graph=cuda_graphs, auto_switch_to_flash=False,
             return_logprobs=True))
         self._serve(model)
 

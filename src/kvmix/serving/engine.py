@@ -91,6 +91,28 @@ class Served:
         self._wake_up_loop.set()
         return request_id
 
+    def complete(self, prompts: list[list[int]], max_new_tokens: int) -> list[Any]:
+        """Start the loop, serve ``prompts`` (greedy) to the end, stop it -> each prompt's
+        finished result, in order; an error if the loop stopped or a request failed."""
+        self.start()
+        try:
+            ids = [self.add_request(list(prompt), max_new_tokens=max_new_tokens)
+                   for prompt in prompts]
+            results = {}
+            while len(results) < len(ids):
+                result = self.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not self.is_running():
+                    raise RuntimeError(f"the generation loop stopped: "
+                                       f"{self.background_thread_status.fatal_error}")
+        finally:
+            self.stop(block=True)
+        failed = {rid: r.error for rid, r in results.items() if r.error is not None}
+        if failed:
+            raise RuntimeError(f"requests failed: {failed}")
+        return [results[rid] for rid in ids]
+
     # -- the loop ------------------------------------------------------------------------------
 
     def _generation_step(self) -> None:

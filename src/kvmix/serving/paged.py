@@ -536,21 +536,4 @@ def generate_batch(model: Any, prompts: list[list[int]], method: str | Method = 
         why = manager.refusal(len(prompt), max_new_tokens)
         if why:
             raise ValueError(why)
-    manager.start()
-    try:
-        ids = [manager.add_request(list(prompt), max_new_tokens=max_new_tokens)
-               for prompt in prompts]
-        results = {}
-        while len(results) < len(ids):
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-            elif result is None and not manager.is_running():
-                raise RuntimeError(f"the generation loop stopped: "
-                                   f"{manager.background_thread_status.fatal_error}")
-    finally:
-        manager.stop(block=True)
-    failed = {rid: r.error for rid, r in results.items() if r.error is not None}
-    if failed:
-        raise RuntimeError(f"requests failed: {failed}")
-    return [results[rid].generated_tokens for rid in ids]
+    return [result.generated_tokens for result in manager.complete(prompts, max_new_tokens)]

@@ -56,7 +56,6 @@ MAX_QUERIES = 16
 KERNEL_BITS = (1, 2, 3, 4, 8)
 PROGRAMS_PER_SM = 8  # programs (sequences × KV heads × splits) per streaming multiprocessor
 PROGRAMS = 1  # without a CUDA device (the interpreter): one per sequence and KV head
-MAX_PLANES = 4  # per-channel key planes one batched kernel reads (ChanMix has 4 classes)
 STAGES = 2  # software pipelining of the page loop: the next page's codes load during this one
 SLOT_TILE = 64  # float slots a decode step's slot program attends per iteration
 
@@ -84,9 +83,6 @@ def check_view(view: KernelView | None, head_dim: int) -> None:
                              f"{', '.join(map(str, KERNEL_BITS))}")
     if unserved(None, head_dim):
         raise ValueError(unserved(None, head_dim))
-    if isinstance(view.keys, ChannelKeys) and len(view.keys.planes) > MAX_PLANES:
-        raise ValueError(f"{len(view.keys.planes)} key planes; the Triton kernels read at most "
-                         f"{MAX_PLANES}")
 
 
 def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: torch.Tensor,
@@ -172,39 +168,38 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
     shapes = [(parts, rows, heads, reps, dim), (parts, rows, heads, reps),
               (parts, rows, heads, reps)]
     acc, top, total = (workspace or Workspace()).take(shapes, query.device)
-    slot_keys, slot_values, spans = slots or (query, query, table.counts)  # unread without
-    count = slot_keys.shape[2] if slots else 0
+    slot_args = (*slots, slots[0].shape[2]) if slots else (query, query, table.counts, 0)
     view = pool.view
-    common = (*_source(view.values, dim), acc, top, total, heads, reps, dim, slot_keys,
-              slot_values, spans, count)
-    sizes = {"G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
-             "BLOCK_D": _pow2(dim), "BLOCK_T": min(_pow2(count), SLOT_TILE),
+    channels = isinstance(view.keys, ChannelKeys)
+    keys, key_layout = _channel_keys(view.keys, pool, group) if channels else _source(
+        view.keys, dim)
+    values, value_layout = _source(view.values, dim)
+    sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
+             "BLOCK_D": _pow2(dim), "BLOCK_T": min(_pow2(slot_args[3]), SLOT_TILE),
              "PRECISION": precision, "num_warps": _warps(dim), "num_stages": STAGES}
-    grid = (rows * heads, parts)
     skip = torch.zeros_like(table.counts) if skip is None else skip
-    table_args = (query, scaling, table.pages, table.held, table.counts, skip, table.width,
-                  splits)
-    if isinstance(view.keys, ChannelKeys):
-        _channel_pages[grid](*table_args, *_plane_arguments(view.keys, pool, group), *common,
-                             NPLANES=len(view.keys.planes), **sizes)
-    else:
-        _token_pages[grid](*table_args, *_source(view.keys, dim), *common, **sizes)
+    _pages[(rows * heads, parts)](query, scaling, table.pages, table.held, table.counts, skip,
+                                  table.width, splits, keys, values, slot_args, acc, top, total, heads, reps, dim, **sizes)
     return acc, top, total
 
 
-def _plane_arguments(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tuple:
-    """Per-channel keys for the page kernels: scale, minimum, each sequence's offsets, then
-    MAX_PLANES planes (codes, channels, multipliers, sizes, word loads; unused ones repeat the
-    first)."""
-    planes = []
-    for i in range(MAX_PLANES):
-        plane, index, mult = (keys.planes[i], pool.index[i], pool.mult[i]) if i < len(
-            keys.planes) else (keys.planes[0], pool.index[0], pool.mult[0])
-        planes += [plane.codes, index.contiguous(), mult.contiguous(), index.shape[-1],
-                   plane.codes.stride(0), row_bytes(group, plane.bits),
-                   _subplane(group, plane.bits), plane.bits, _pow2(index.shape[-1]),
-                   _words(plane.codes, group, plane.bits)]
-    return (keys.scale.contiguous(), keys.minimum.contiguous(), pool.offset, *planes)
+def _channel_keys(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tuple:
+    """Per-channel keys as ``_channel_scores`` reads them: (the pool's scale and minimum,
+    each sequence's offsets, the planes' tensors and sizes), and the planes' layouts (a
+    constexpr: one specialisation per layout)."""
+    planes = [_plane(plane, index, mult, group) for plane, index, mult in zip(
+        keys.planes, pool.index, pool.mult, strict=True)]
+    tensors = tuple(tensors for tensors, _ in planes)
+    return ((keys.scale.contiguous(), keys.minimum.contiguous(), pool.offset, tensors),
+            tuple(layout for _, layout in planes))
+
+
+def _plane(plane, index: torch.Tensor, mult: torch.Tensor, group: int) -> tuple:
+    """One plane: (codes, each sequence's channels and multipliers [B, H, C], C, block bytes,
+    row width, 3-bit split) and its layout (BITS, BLOCK_C, WORDS: word loads)."""
+    return ((plane.codes, index.contiguous(), mult.contiguous(), index.shape[-1],
+             plane.codes.stride(0), row_bytes(group, plane.bits), _subplane(group, plane.bits)),
+            (plane.bits, _pow2(index.shape[-1]), _words(plane.codes, group, plane.bits)))
 
 
 def _merged_rows(partials, dtype: torch.dtype) -> torch.Tensor:
@@ -244,16 +239,16 @@ def _float_partial(grouped, floats, keys, values, rep: int, queries: int):
 
 
 def _source(groups: TokenGroups | torch.Tensor, dim: int) -> tuple:
-    """A per-token tile source as the kernels take it: codes, scale, minimum, block bytes,
-    row width, 3-bit split, then GROUP, BITS, SYMMETRIC, WORDS. Float blocks [n, H, G, D] are
-    BITS=16 (their own ``codes``; statistics unread)."""
+    """A per-token tile source as ``_token_tile`` reads it: (codes, scale, minimum, block
+    bytes, row width, 3-bit split) and its layout (GROUP, BITS, SYMMETRIC, WORDS). Float blocks
+    [n, H, G, D] are BITS=16 (their own ``codes``; statistics unread)."""
     if isinstance(groups, torch.Tensor):
         blocks = groups.contiguous()
-        return blocks, blocks, blocks, 0, 0, 0, dim, 16, False, False
+        return (blocks, blocks, blocks, 0, 0, 0), (dim, 16, False, False)
     words = _words(groups.codes, groups.group, groups.bits) and dim == _pow2(dim) >= groups.group
-    return (groups.codes, *_stats(groups), groups.codes.stride(0),
-            row_bytes(groups.group, groups.bits), _subplane(groups.group, groups.bits),
-            groups.group, groups.bits, groups.minimum is None, words)
+    return ((groups.codes, *_stats(groups), groups.codes.stride(0),
+             row_bytes(groups.group, groups.bits), _subplane(groups.group, groups.bits)),
+            (groups.group, groups.bits, groups.minimum is None, words))
 
 
 def _words(codes: torch.Tensor, row: int, bits: int) -> bool:
@@ -354,13 +349,17 @@ if triton is not None:
         return x.to(tl.float32)
 
     @triton.jit
-    def _token_tile(codes, scale, minimum, block, head, heads, dim, block_bytes, width,
-                    low_width, GROUP: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
-                    SYMMETRIC: tl.constexpr, WORDS: tl.constexpr, BLOCK_G: tl.constexpr,
-                    BLOCK_D: tl.constexpr):
-        """Dequantized per-token groups of one block and head: [BLOCK_G, BLOCK_D] float32;
-        BITS=16: a tile of float blocks [n, H, G, D]. WORDS: rows by word loads (then
-        dim == BLOCK_D)."""
+    def _token_tile(source, LAYOUT: tl.constexpr, block, head, heads, dim, G: tl.constexpr,
+                    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Dequantized per-token groups of one block and head from ``source`` and ``LAYOUT``
+        (``_source``): [BLOCK_G, BLOCK_D] float32; BITS=16: a tile of float blocks
+        [n, H, G, D]. WORDS: rows by word loads (then dim == BLOCK_D)."""
+        codes, scale, minimum = source[0], source[1], source[2]
+        block_bytes, width, low_width = source[3], source[4], source[5]
+        GROUP: tl.constexpr = LAYOUT[0]
+        BITS: tl.constexpr = LAYOUT[1]
+        SYMMETRIC: tl.constexpr = LAYOUT[2]
+        WORDS: tl.constexpr = LAYOUT[3]
         t = tl.arange(0, BLOCK_G)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (t < G) & (d < dim)
@@ -390,12 +389,17 @@ if triton is not None:
         return tile
 
     @triton.jit
-    def _plane_part(query, qscale, rows, dim, scale, codes, index, mult, channels, block_bytes,
-                    width, low_width, BITS: tl.constexpr, BLOCK_C: tl.constexpr,
-                    WORDS: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
-                    BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
+    def _plane_part(query, qscale, rows, dim, scale, plane, LAYOUT: tl.constexpr, seq, head,
+                    heads, page, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                    BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
         """One plane's share of a page's scores: Σ_c q[r, idx_c]·scale[idx_c]·mult_c·code_c[t]
-        -> [BLOCK_R, BLOCK_G] (query: this program's rows; scale: the page's, this head)."""
+        -> [BLOCK_R, BLOCK_G] (query: this program's rows; scale: the page's, this head;
+        plane and LAYOUT: ``_plane``)."""
+        codes, index, mult, channels = plane[0], plane[1], plane[2], plane[3]
+        block_bytes, width, low_width = plane[4], plane[5], plane[6]
+        BITS: tl.constexpr = LAYOUT[0]
+        BLOCK_C: tl.constexpr = LAYOUT[1]
+        WORDS: tl.constexpr = LAYOUT[2]
         c = tl.arange(0, BLOCK_C)
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_G)
@@ -416,20 +420,14 @@ if triton is not None:
         return tl.dot(q * weight[None, :], x, input_precision=PRECISION)
 
     @triton.jit
-    def _page_scores(query, qscale, rows, dim, key_scale, key_min, offset,
-                     c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
-                     W0: tl.constexpr,
-                     c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
-                     W1: tl.constexpr,
-                     c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
-                     W2: tl.constexpr,
-                     c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
-                     W3: tl.constexpr,
-                     NPLANES: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
-        """A page's scores from per-channel keys: the bias Σ_c q_c·(min_c + scale_c·offset_c),
-        then each plane -> [BLOCK_R, BLOCK_G]."""
+    def _channel_scores(query, qscale, rows, dim, keys, PLANES: tl.constexpr, seq, head,
+                        heads, page, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+        """A page's scores from per-channel keys (``_channel_keys``: scale and minimum
+        [P, H, D] of the pool, each sequence's offsets [B, H, D], the planes; PLANES: their
+        layouts): the bias Σ_c q_c·(min_c + scale_c·offset_c), then each plane
+        -> [BLOCK_R, BLOCK_G]."""
+        key_scale, key_min, offset, planes = keys[0], keys[1], keys[2], keys[3]
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
         has_d = d < dim
@@ -442,37 +440,23 @@ if triton is not None:
         q = q.to(tl.float32) * qscale  # [R, D]
         scores = tl.zeros([BLOCK_R, BLOCK_G], tl.float32) + tl.sum(q * shift[None, :],
                                                                     axis=1)[:, None]
-        scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c0, i0, m0, n0, b0, w0, l0,
-                              BITS0, C0, W0, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
-                              PRECISION)
-        if NPLANES > 1:
-            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c1, i1, m1, n1, b1, w1,
-                                  l1, BITS1, C1, W1, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
-                                  PRECISION)
-        if NPLANES > 2:
-            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c2, i2, m2, n2, b2, w2,
-                                  l2, BITS2, C2, W2, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
-                                  PRECISION)
-        if NPLANES > 3:
-            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, c3, i3, m3, n3, b3, w3,
-                                  l3, BITS3, C3, W3, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
+        for i in tl.static_range(len(PLANES)):
+            scores += _plane_part(query, qscale, rows, dim, key_scale + stats, planes[i],
+                                  PLANES[i], seq, head, heads, page, G, BLOCK_R, BLOCK_G,
                                   PRECISION)
         return scores
 
     @triton.jit
-    def _absorb(scores, first, length, running, mass, out, codes, scale, minimum, block_bytes,
-                width, low_width, GROUP: tl.constexpr, BITS: tl.constexpr,
-                SYMMETRIC: tl.constexpr, WORDS: tl.constexpr, page, head, heads, rows, dim,
-                G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    def _absorb(scores, first, length, running, mass, out, values, VALUES: tl.constexpr, page,
+                head, heads, rows, dim, G: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
         """One page into the online softmax: its scores [R, G] (masked before ``first``, a
         sliding window's edge, and past ``length`` held tokens) and p·V from its value codes
         -> the running (max, sum, acc)."""
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_G)
         seen = (r[:, None] < rows) & (t[None, :] >= first) & (t[None, :] < length)
-        v = _token_tile(codes, scale, minimum, page, head, heads, dim, block_bytes, width,
-                        low_width, GROUP, G, BITS, SYMMETRIC, WORDS, BLOCK_G, BLOCK_D)  # [G, D]
+        v = _token_tile(values, VALUES, page, head, heads, dim, G, BLOCK_G, BLOCK_D)  # [G, D]
         return _fold(tl.where(seen, scores, float("-inf")), v, running, mass, out, PRECISION)
 
     @triton.jit
@@ -487,12 +471,13 @@ if triton is not None:
         return peak, mass * decay + tl.sum(p, axis=1), out
 
     @triton.jit
-    def _slots(query, qscale, keys, values, spans, seq, head, heads, count, rows, dim,
-               running, mass, out, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-               BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
-        """A sequence's float slots for one KV head into the online softmax: keys, values
-        [B, H, T, D] (``count`` = T slots, any float dtype), what its newest token sees given by
-        ``spans`` [B, 4] (sink start and length, residual start and length)."""
+    def _slots(query, qscale, slots, seq, head, heads, rows, dim, running, mass, out,
+               BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+               PRECISION: tl.constexpr):
+        """A sequence's float slots for one KV head into the online softmax. ``slots``: keys,
+        values [B, H, T, D] (any float dtype), spans [B, 4] (what the newest token sees: sink
+        start and length, residual start and length), T."""
+        keys, values, spans, count = slots[0], slots[1], slots[2], slots[3]
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_T)
         d = tl.arange(0, BLOCK_D)
@@ -528,72 +513,23 @@ if triton is not None:
                  mask=(r[:, None] < rows) & (d[None, :] < dim))
 
     @triton.jit
-    def _channel_pages(query, qscale, pages, held, counts, skip, width, splits, key_scale,
-                       key_min, offset,
-                       c0, i0, m0, n0, b0, w0, l0, BITS0: tl.constexpr, C0: tl.constexpr,
-                       W0: tl.constexpr,
-                       c1, i1, m1, n1, b1, w1, l1, BITS1: tl.constexpr, C1: tl.constexpr,
-                       W1: tl.constexpr,
-                       c2, i2, m2, n2, b2, w2, l2, BITS2: tl.constexpr, C2: tl.constexpr,
-                       W2: tl.constexpr,
-                       c3, i3, m3, n3, b3, w3, l3, BITS3: tl.constexpr, C3: tl.constexpr,
-                       W3: tl.constexpr,
-                       values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
-                       V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr,
-                       acc, top, total, heads, rows, dim, slot_keys, slot_values, spans,
-                       slot_count, NPLANES: tl.constexpr, G: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
+    def _pages(query, qscale, pages, held, counts, skip, width, splits, keys, values, slots,
+               acc, top, total, heads, rows, dim, CHANNELS: tl.constexpr, KEYS: tl.constexpr,
+               VALUES: tl.constexpr, G: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
+               PRECISION: tl.constexpr):
         """A program per (sequence, KV head) and split of the sequence's pages, read through
-        the block table (its page count read here: the grid does not follow it): per-channel
-        key scores, online softmax, p·V, in one pass. Split ``splits`` (when the grid has it)
-        attends the sequence's float slots."""
+        the block table (its page count read here: the grid does not follow it): scores from
+        the key codes (CHANNELS: per-channel groups, ``keys`` and KEYS from
+        ``_channel_keys``; else per-token groups or float pages, from ``_source``), online
+        softmax, p·V from the value codes (``values`` and VALUES from ``_source``), in one
+        pass. Split ``splits``, where the grid has it, attends the sequence's float slots
+        (``_slots``)."""
         program, split = tl.program_id(0), tl.program_id(1)
         seq, head = program // heads, program % heads
         q = query + program * rows * dim  # this program's query rows [R, D]
-        running = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        mass = tl.zeros([BLOCK_R], tl.float32)
-        out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        if split < splits:
-            count = tl.load(counts + seq)
-            per = tl.cdiv(count, splits)
-            for n in range(split * per, tl.minimum(split * per + per, count)):
-                page = tl.load(pages + seq * width + n)
-                scores = _page_scores(q, qscale, rows, dim, key_scale, key_min, offset,
-                                      c0, i0, m0, n0, b0, w0, l0, BITS0, C0, W0,
-                                      c1, i1, m1, n1, b1, w1, l1, BITS1, C1, W1,
-                                      c2, i2, m2, n2, b2, w2, l2, BITS2, C2, W2,
-                                      c3, i3, m3, n3, b3, w3, l3, BITS3, C3, W3,
-                                      NPLANES, seq, head, heads, page, G, BLOCK_R, BLOCK_G,
-                                      BLOCK_D, PRECISION)
-                hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
-                running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
-                                             running, mass, out, values, v_scale, v_min,
-                                             v_bytes, v_width, v_low, V_GROUP, V_BITS,
-                                             V_SYMMETRIC, V_WORDS, page, head, heads, rows, dim,
-                                             G, BLOCK_R, BLOCK_G, BLOCK_D, PRECISION)
-        else:
-            running, mass, out = _slots(q, qscale, slot_keys, slot_values, spans, seq, head,
-                                        heads, slot_count, rows, dim, running, mass, out,
-                                        BLOCK_R, BLOCK_T, BLOCK_D, PRECISION)
-        _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
-              dim, BLOCK_R, BLOCK_D)
-
-    @triton.jit
-    def _token_pages(query, qscale, pages, held, counts, skip, width, splits, keys, k_scale,
-                     k_min, k_bytes, k_width, k_low, K_GROUP: tl.constexpr,
-                     K_BITS: tl.constexpr, K_SYMMETRIC: tl.constexpr, K_WORDS: tl.constexpr,
-                     values, v_scale, v_min, v_bytes, v_width, v_low, V_GROUP: tl.constexpr,
-                     V_BITS: tl.constexpr, V_SYMMETRIC: tl.constexpr, V_WORDS: tl.constexpr,
-                     acc, top, total, heads, rows, dim, slot_keys, slot_values, spans,
-                     slot_count, G: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
-        """As ``_channel_pages`` for per-token key groups (WUSH, rotations) and float pages."""
-        program, split = tl.program_id(0), tl.program_id(1)
-        seq, head = program // heads, program % heads
         r = tl.arange(0, BLOCK_R)
         d = tl.arange(0, BLOCK_D)
-        q = query + program * rows * dim
         running = tl.full([BLOCK_R], float("-inf"), tl.float32)
         mass = tl.zeros([BLOCK_R], tl.float32)
         out = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -605,20 +541,21 @@ if triton is not None:
             per = tl.cdiv(count, splits)
             for n in range(split * per, tl.minimum(split * per + per, count)):
                 page = tl.load(pages + seq * width + n)
-                k = _token_tile(keys, k_scale, k_min, page, head, heads, dim, k_bytes, k_width,
-                                k_low, K_GROUP, G, K_BITS, K_SYMMETRIC, K_WORDS, BLOCK_G,
-                                BLOCK_D)  # [G, D]
-                scores = tl.dot(rows_q, tl.trans(k), input_precision=PRECISION)  # [R, G]
+                if CHANNELS:
+                    scores = _channel_scores(q, qscale, rows, dim, keys, KEYS, seq, head, heads,
+                                             page, G, BLOCK_R, BLOCK_G, BLOCK_D, PRECISION)
+                else:
+                    k = _token_tile(keys, KEYS, page, head, heads, dim, G, BLOCK_G, BLOCK_D)
+                    scores = tl.dot(rows_q, tl.trans(k), input_precision=PRECISION)  # [R, G]
                 hidden = tl.where(n == 0, tl.load(skip + seq), 0)  # a sliding window's edge
                 running, mass, out = _absorb(scores, hidden, tl.load(held + seq * width + n),
-                                             running, mass, out, values, v_scale, v_min,
-                                             v_bytes, v_width, v_low, V_GROUP, V_BITS,
-                                             V_SYMMETRIC, V_WORDS, page, head, heads, rows, dim,
-                                             G, BLOCK_R, BLOCK_G, BLOCK_D, PRECISION)
+                                             running, mass, out, values, VALUES, page, head,
+                                             heads, rows, dim, G, BLOCK_R, BLOCK_G, BLOCK_D,
+                                             PRECISION)
         else:
-            running, mass, out = _slots(q, qscale, slot_keys, slot_values, spans, seq, head,
-                                        heads, slot_count, rows, dim, running, mass, out,
-                                        BLOCK_R, BLOCK_T, BLOCK_D, PRECISION)
+            running, mass, out = _slots(q, qscale, slots, seq, head, heads, rows, dim,
+                                        running, mass, out, BLOCK_R, BLOCK_T, BLOCK_D,
+                                        PRECISION)
         _keep(acc, top, total, running, mass, out, split, program, tl.num_programs(0), rows,
               dim, BLOCK_R, BLOCK_D)
 
