@@ -95,7 +95,7 @@ def served(model, args) -> None:
             seconds = time.perf_counter() - start
             row["output_tokens_per_s"] = sum(len(r.generated_tokens) for r in results) / seconds
             row["seconds"] = seconds
-        except Exception as error:  # noqa: BLE001 - a failed row records why
+        except Exception as error:
             row["error"] = f"{type(error).__name__}: {error}"
         rows.append(row)
         print(json.dumps(row), flush=True)

@@ -14,14 +14,14 @@ import sys
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not interpreted ones
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import create_function_from_signature  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
-from kvmix.core import fused  # noqa: E402
-from kvmix.runtime.kernels import gpu  # noqa: E402
+from kvmix.core import fused
+from kvmix.runtime.kernels import gpu
 
 TARGET = GPUTarget("cuda", 90, 32)  # H100 / H200
 BACKEND = make_backend(TARGET)
@@ -56,6 +56,7 @@ def main() -> None:
         setattr(module, name, Compile(name, getattr(module, name)))
     os.environ["TRITON_INTERPRET"] = "1"  # kvmix's checks: Triton kernels on CPU tensors
     from helpers import make, prefill, step, tokens
+
     from kvmix.runtime.layer import take_pending
 
     for name, window in [("kivi2", None), ("pnmix1", None), ("chanmix", None), ("wush", None),

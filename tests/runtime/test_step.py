@@ -244,10 +244,10 @@ class Recorder:
 @pytest.mark.parametrize("name", ["kivi2", "wush"])
 def test_a_triton_step_launches_with_the_same_arguments_across_steps(name, monkeypatch):
     """Twelve decode steps of a ragged batch in a pool sized up front, sealing pages (the block
-    table's contents change), launch the page kernel and the merge with equal grids, scalars, constexprs and
-    tensors (address, shape, strides), but for the step's query and the merge's output (in a
-    captured graph: its static input and output): what a graph captured once replays. Page
-    counts are read on the device, so they are not in the launch."""
+    table's contents change), launch the page kernel and the merge with equal grids, scalars,
+    constexprs and tensors (address, shape, strides), but for the step's query and the merge's
+    output (in a captured graph: its static input and output): what a graph captured once
+    replays. Page counts are read on the device, so they are not in the launch."""
     from helpers import make
 
     cache = make(name, backend="triton", max_batch=3, max_tokens=64)  # a pool sized up front

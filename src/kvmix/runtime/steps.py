@@ -9,12 +9,12 @@ step's kernels read is therefore the same in each of them:
 * ``Table``: the block table (page ids and tokens held per page, page counts).
 
 ``StepMeta``, one per kind and shared by its layers (found by the kind's ``Kind`` token, and
-kept outside the cache, so the cache's bytes are its own only), builds them on the host and copies them
-into persistent device tensors with one non-blocking copy from pinned memory: no tensor is
-made on the device from a Python list, no copy waits for the device, and the tensors a kernel
-reads keep their addresses from step to step (what a captured CUDA graph replays). A layer
-whose lists equal the ones uploaded last reads the same tensors without a copy, so a step of
-L layers copies once. Lists are compared, never assumed: a layer out of lockstep (driven
+kept outside the cache, so the cache's bytes are its own only), builds them on the host and
+copies them into persistent device tensors with one non-blocking copy from pinned memory: no
+tensor is made on the device from a Python list, no copy waits for the device, and the tensors
+a kernel reads keep their addresses from step to step (what a captured CUDA graph replays). A
+layer whose lists equal the ones uploaded last reads the same tensors without a copy, so a step
+of L layers copies once. Lists are compared, never assumed: a layer out of lockstep (driven
 alone, as tests do) gets its own upload, never another layer's metadata.
 """
 
@@ -161,8 +161,9 @@ class StepMeta:
     def _upload_table(self, store, device: torch.device) -> None:
         width = bucket(max(map(len, store.pages), default=0))
         pad = [[0] * (width - len(p)) for p in store.pages]
-        host = [*itertools.chain.from_iterable(p + z for p, z in zip(store.pages, pad)),
-                *itertools.chain.from_iterable(h + z for h, z in zip(store.held, pad)),
+        rows = list(zip(store.pages, store.held, pad, strict=True))
+        host = [*itertools.chain.from_iterable(p + z for p, _, z in rows),
+                *itertools.chain.from_iterable(h + z for _, h, z in rows),
                 *(len(p) for p in store.pages)]
         flat = self._table.fill(host, device)
         cells = store.batch * width

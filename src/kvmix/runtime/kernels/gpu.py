@@ -174,12 +174,14 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
     keys, key_layout = _channel_keys(view.keys, pool, group) if channels else _source(
         view.keys, dim)
     values, value_layout = _source(view.values, dim)
-    sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group, "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group),
-             "BLOCK_D": _pow2(dim), "BLOCK_T": min(_pow2(slot_args[3]), SLOT_TILE),
+    sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group,
+             "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group), "BLOCK_D": _pow2(dim),
+             "BLOCK_T": min(_pow2(slot_args[3]), SLOT_TILE),
              "PRECISION": precision, "num_warps": _warps(dim), "num_stages": STAGES}
     skip = torch.zeros_like(table.counts) if skip is None else skip
     _pages[(rows * heads, parts)](query, scaling, table.pages, table.held, table.counts, skip,
-                                  table.width, splits, keys, values, slot_args, acc, top, total, heads, reps, dim, **sizes)
+                                  table.width, splits, keys, values, slot_args, acc, top,
+                                  total, heads, reps, dim, **sizes)
     return acc, top, total
 
 
