@@ -32,7 +32,8 @@ from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.kernels import batch
 from kvmix.runtime.store import BatchStore, RowView
 
-SOURCE = Path(__file__).with_name("decode.cpp")
+SOURCE = Path(__file__).with_name("decode.cpp")  # the op's entry; its parts in decode/*.h
+PARTS = sorted(Path(__file__).with_name("decode").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
 
@@ -203,6 +204,8 @@ def _flags() -> tuple[str, ...]:
 
 def _cache_key() -> str:
     digest = hashlib.sha256(SOURCE.read_bytes())
+    for part in PARTS:
+        digest.update(part.read_bytes())
     for part in (torch.__version__, sys.version, platform.machine(), _cpu_flags(),
                  _compiler_version(), " ".join(_flags())):
         digest.update(part.encode())

@@ -1,0 +1,57 @@
+// Task: scores and values of float segments (sink, residual, new tokens, float pages).
+#pragma once
+
+namespace {
+
+// ---- float segments ----
+
+void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
+  const int64_t D = p_.dim, T = seg.tokens, L = total_;
+  const float* keys = seg.keys + (block * p_.kv_heads + h_) * seg.head_stride;
+  for (int64_t r = 0; r < p_.rows; ++r) {
+    const int64_t i = r % p_.queries;  // this row's query token
+    for (int64_t t = 0; t < T; ++t) {
+      const bool hidden = seg.causal && t > i + (T - p_.queries);
+      out[r * L + t] = hidden ? NEG_INF : dot(qrow(r), keys + t * D, D);
+    }
+  }
+}
+
+void Task::float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
+  const int64_t D = p_.dim, T = seg.tokens, L = total_;
+  const float* values = seg.values + (block * p_.kv_heads + h_) * seg.head_stride;
+#ifdef __AVX512F__
+  if (D % 32 == 0) {  // RB rows × 32 channels in registers over every token
+    for (int64_t r0 = 0; r0 < p_.padded; r0 += RB)
+      for (int64_t d = 0; d < D; d += 32) {
+        __m512 sum[RB][2];
+        float* a = acc + r0 * D + d;
+        for (int r = 0; r < RB; ++r)
+          for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(a + r * D + 16 * k);
+        for (int64_t t = 0; t < T; ++t) {
+          const __m512 v0 = _mm512_loadu_ps(values + t * D + d);
+          const __m512 v1 = _mm512_loadu_ps(values + t * D + d + 16);
+          for (int r = 0; r < RB; ++r) {
+            const __m512 w = _mm512_set1_ps(weights[(r0 + r) * L + t]);
+            sum[r][0] = _mm512_fmadd_ps(w, v0, sum[r][0]);
+            sum[r][1] = _mm512_fmadd_ps(w, v1, sum[r][1]);
+          }
+        }
+        for (int r = 0; r < RB; ++r)
+          for (int k = 0; k < 2; ++k) _mm512_storeu_ps(a + r * D + 16 * k, sum[r][k]);
+      }
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < p_.rows; ++r) {
+    float* a = acc + r * D;
+    for (int64_t t = 0; t < T; ++t) {
+      const float w = weights[r * L + t];
+      const float* v = values + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) a[d] += w * v[d];
+    }
+  }
+}
+
+}  // namespace
