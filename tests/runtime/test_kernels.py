@@ -4,6 +4,8 @@ lengths of sink and residual; plus how backends are chosen and refused."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import subprocess
 import sys
@@ -155,16 +157,36 @@ def test_the_op_checks_its_inputs():
     query = torch.randn(HQ, 1, D)
     keys = torch.randn(1, 2, 5, D)
     with pytest.raises(RuntimeError, match="float segments must be"):
-        torch.ops.kvmix.decode(query, 1.0, [keys], [keys[:, :, :4]], 1, 8, [], [], [], [], [],
-                               None, None, None, None, 0, 0, None, 0, 0, None, None)
+        torch.ops.kvmix.decode(query, 1.0, [keys], [keys[:, :, :4]], 1, 8, [], None, None, None)
     with pytest.raises(RuntimeError, match="the causal segment must hold exactly the new tokens"):
-        torch.ops.kvmix.decode(query, 1.0, [keys], [keys], 1, 8, [], [], [], [], [],
-                               None, None, None, None, 0, 0, None, 0, 0, None, None)
+        torch.ops.kvmix.decode(query, 1.0, [keys], [keys], 1, 8, [], None, None, None)
 
 
-def op_arguments(name: str) -> list:
-    """A valid call of ``kvmix::decode`` for one sequence of ``name`` holding sealed blocks:
-    [query, scale, float keys, float values, causal, group, *packed]."""
+@dataclasses.dataclass
+class OpCall:
+    """A call of ``kvmix::decode``, by name: the float segments and the packed layouts
+    (``cpu.Planes``, ``cpu.Groups``)."""
+
+    query: torch.Tensor
+    scale: float
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    causal: int
+    group: int
+    lengths: list[int]
+    planes: cpu.Planes | None
+    token_keys: cpu.Groups | None
+    groups: cpu.Groups | None
+
+    def run(self) -> torch.Tensor:
+        return torch.ops.kvmix.decode(self.query, self.scale, self.keys, self.values,
+                                      self.causal, self.group, self.lengths,
+                                      *cpu.op_layouts([self.planes, self.token_keys,
+                                                       self.groups]))
+
+
+def op_call(name: str) -> OpCall:
+    """A valid call for one sequence of ``name`` holding sealed blocks."""
     from helpers import feed, tokens
 
     cache = make(name, backend="cpu")
@@ -173,57 +195,49 @@ def op_arguments(name: str) -> list:
     view = cache.method.kernel_view(row.blocks, 0, row.selection)
     keys, values, queries = (t.float() for t in tokens(1, 1, 9))
     floats = [(row.sink_keys, row.sink_values), (row.res_keys, row.res_values), (keys, values)]
-    return [queries[0].contiguous(), D**-0.5, [k.float().contiguous() for k, _ in floats],
-            [v.float().contiguous() for _, v in floats], 1, cache.method.group,
-            *cpu._packed_arguments(row, view)]
+    return OpCall(queries[0].contiguous(), D**-0.5, [k.float().contiguous() for k, _ in floats],
+                  [v.float().contiguous() for _, v in floats], 1, cache.method.group,
+                  row.lengths, *cpu.packed_layouts(view))
 
 
-def changed(arguments: list, at: int, value) -> list:
-    return [value if i == at else a for i, a in enumerate(arguments)]
-
-
-# positions in the op's argument list
-QUERY, KEYS, VALUES, GROUP, LENGTHS, PLANE_CODES, PLANE_BITS, PLANE_INDEX = 0, 2, 3, 5, 6, 7, 8, 9
-KEY_OFFSET, VALUE_CODES, VALUE_GROUP, VALUE_SCALE = 13, 17, 19, 20
-
-
-def bad_arguments(valid: list) -> dict[str, tuple[list, str]]:
-    """Each kind of bad argument: (the arguments with it, what the error must name)."""
-    k = valid[KEYS]
-    index = valid[PLANE_INDEX][0].clone()
+def bad_calls(valid: OpCall) -> dict[str, tuple[OpCall, str]]:
+    """Each kind of bad argument: (the call with it, what the error must name)."""
+    planes, groups = valid.planes, valid.groups
+    index = planes.index[0].clone()
     index.view(-1)[0] = D  # a channel past the head
+    changed = functools.partial(dataclasses.replace, valid)
     return {
-        "no KV heads": (changed(valid, KEYS, [x[:, :0] for x in k]), "KV heads"),
-        "plane lists of unequal length": (changed(valid, PLANE_BITS, valid[PLANE_BITS][:-1]),
-                                          "lists of equal length"),
-        "plane channel outside the head": (
-            changed(valid, PLANE_INDEX, [index, *valid[PLANE_INDEX][1:]]), "outside \\[0, D\\)"),
-        "value codes cut short": (changed(valid, VALUE_CODES, valid[VALUE_CODES][:, :-1]
-                                          .contiguous()), "value codes hold"),
-        "a block longer than a group": (changed(valid, LENGTHS, [99] * len(valid[LENGTHS])),
+        "no KV heads": (changed(keys=[x[:, :0] for x in valid.keys]), "KV heads"),
+        "plane lists of unequal length": (changed(planes=dataclasses.replace(
+            planes, bits=planes.bits[:-1])), "lists of equal length"),
+        "plane channel outside the head": (changed(planes=dataclasses.replace(
+            planes, index=[index, *planes.index[1:]])), "outside \\[0, D\\)"),
+        "value codes cut short": (changed(groups=dataclasses.replace(
+            groups, codes=groups.codes[:, :-1].contiguous())), "value codes hold"),
+        "a block longer than a group": (changed(lengths=[99] * len(valid.lengths)),
                                         "0 to group tokens"),
-        "more lengths than blocks": (changed(valid, LENGTHS, valid[LENGTHS] * 2),
+        "more lengths than blocks": (changed(lengths=valid.lengths * 2),
                                      "more lengths than packed blocks"),
-        "zero token group": (changed(valid, GROUP, 0), "positive multiple of 8 tokens"),
-        "zero value group": (changed(valid, VALUE_GROUP, 0), "positive multiple of 8 channels"),
-        "value scales of another shape": (changed(valid, VALUE_SCALE, valid[VALUE_SCALE][:-1]
-                                                  .contiguous()), "scale and min must hold"),
-        "key offset of another shape": (changed(valid, KEY_OFFSET, valid[KEY_OFFSET][:, :-1]
-                                                .contiguous()), "key offset must be"),
-        "query of another rank": (changed(valid, QUERY, valid[QUERY][0]), "query must be"),
+        "zero token group": (changed(group=0), "positive multiple of 8 tokens"),
+        "zero value group": (changed(groups=dataclasses.replace(groups, group=0)),
+                             "positive multiple of 8 channels"),
+        "value scales of another shape": (changed(groups=dataclasses.replace(
+            groups, scale=groups.scale[:-1].contiguous())), "scale and min must hold"),
+        "key offset of another shape": (changed(planes=dataclasses.replace(
+            planes, offset=planes.offset[:, :-1].contiguous())), "key offset must be"),
+        "query of another rank": (changed(query=valid.query[0]), "query must be"),
     }
 
 
 def test_the_op_refuses_every_kind_of_bad_argument_with_a_message_naming_it(built):
     """Shapes of packed tensors, list lengths, held lengths, channel indices, zero sizes: an
     error naming the argument, never a crash or a wrong result."""
-    valid = op_arguments("kivi2")
-    assert valid[LENGTHS] and valid[PLANE_CODES]  # blocks and channel planes are read
-    reference = torch.ops.kvmix.decode(*valid)
-    assert reference.isfinite().all()
-    for case, (arguments, message) in bad_arguments(valid).items():
+    valid = op_call("kivi2")
+    assert valid.lengths and valid.planes.codes  # blocks and channel planes are read
+    assert valid.run().isfinite().all()
+    for case, (call, message) in bad_calls(valid).items():
         with pytest.raises(RuntimeError, match=message):
-            torch.ops.kvmix.decode(*arguments)
+            call.run()
             pytest.fail(f"accepted: {case}")
 
 

@@ -17,7 +17,7 @@ from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.store import BatchStore
 
 
-@dataclass
+@dataclass(eq=False)  # cached by identity (the fused ops key their arguments on it)
 class PoolView:
     """The pool read by a batched kernel: ``view`` of every page (float pages: keys and values
     [P, H, G, D]), and, for per-channel keys, each sequence's plane channels, multipliers

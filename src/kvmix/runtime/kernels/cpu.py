@@ -18,12 +18,15 @@ torch ships and has loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
 import platform
 import subprocess
 import sys
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +39,7 @@ SOURCE = Path(__file__).with_name("decode.cpp")  # the op's entry; its parts in 
 PARTS = sorted(Path(__file__).with_name("decode").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
+_POOL_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool view -> args
 
 
 class KernelUnavailable(RuntimeError):
@@ -86,9 +90,9 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
     float_keys = [_float32(k) for k, _ in segments]
     float_values = [_float32(v) for _, v in segments]
-    packed = _packed_arguments(row, view)
     out = torch.ops.kvmix.decode(_float32(query[0]), scaling, float_keys, float_values, 1,
-                                 row.method.group, *packed)
+                                 row.method.group, row.lengths if view else [],
+                                 *op_layouts(packed_layouts(view)))
     return out.unsqueeze(0).to(dtype)
 
 
@@ -150,14 +154,21 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
 
 
 def _pool_arguments(pool: batch.PoolView) -> list:
-    """The op's arguments after ``counts``: float pages, or the pool's codes and statistics
-    with each sequence's plane channels, multipliers and key offsets."""
-    if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
-        return [pool.view.keys, pool.view.values, *_packed_arguments(None, None)[1:]]
-    arguments = [None, None, *_packed_arguments(None, pool.view)[1:]]
-    if pool.offset is not None:
-        arguments[4], arguments[5], arguments[8] = pool.index, pool.mult, pool.offset
-    return arguments
+    """The op's arguments after ``counts``: float pages [P, H, G, D] (keys, values), then the
+    packed layouts of the pool with each sequence's plane channels, multipliers and key
+    offsets (built once per pool view)."""
+    cached = _POOL_ARGUMENTS.get(pool)
+    if cached is None:
+        if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
+            cached = [pool.view.keys, pool.view.values, None, None, None]
+        else:
+            layouts = packed_layouts(pool.view)
+            if pool.offset is not None:
+                layouts[0] = dataclasses.replace(layouts[0], index=pool.index, mult=pool.mult,
+                                                 offset=pool.offset)
+            cached = [None, None, *op_layouts(layouts)]
+        _POOL_ARGUMENTS[pool] = cached
+    return cached
 
 
 def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:
@@ -169,22 +180,58 @@ def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tens
              .contiguous()) for i, held in enumerate(lengths)]
 
 
-def _packed_arguments(row: RowView | None, view: KernelView | None) -> list:
-    """The op's arguments after ``group``: block lengths, channel planes, per-token keys,
-    per-token values (empty when no block is held)."""
+@dataclass
+class Planes:
+    """Per-channel keys as the op reads them (``torch.classes.kvmix.ChannelPlanes``): per plane
+    its codes, width, channels and multipliers; the blocks' scale and minimum; key offsets."""
+
+    codes: list[torch.Tensor]
+    bits: list[int]
+    index: list[torch.Tensor]
+    mult: list[torch.Tensor]
+    scale: torch.Tensor
+    minimum: torch.Tensor
+    offset: torch.Tensor
+
+    def op(self):
+        return torch.classes.kvmix.ChannelPlanes(self.codes, self.bits, self.index, self.mult,
+                                                 self.scale, self.minimum, self.offset)
+
+
+@dataclass
+class Groups:
+    """Per-token groups as the op reads them (``torch.classes.kvmix.TokenGroups``): values,
+    and per-token keys (WUSH, rotations); ``minimum`` None for symmetric groups."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None
+    bits: int
+    group: int
+
+    def op(self):
+        return torch.classes.kvmix.TokenGroups(self.codes, self.scale, self.minimum, self.bits,
+                                               self.group)
+
+
+def packed_layouts(view: KernelView | None) -> list:
+    """The op's packed arguments as (planes, per-token keys, values), one of the first two
+    None; all None without packed blocks."""
     if view is None:
-        return [[], [], [], [], [], None, None, None, None, 0, 0, None, 0, 0, None, None]
+        return [None, None, None]
     keys, values = view.keys, view.values
+    groups = Groups(values.codes, values.scale, values.minimum, values.bits, values.group)
     if isinstance(keys, ChannelKeys):
-        planes = ([p.codes for p in keys.planes], [p.bits for p in keys.planes],
-                  [p.index for p in keys.planes], [p.mult for p in keys.planes])
-        key_args = [keys.scale, keys.minimum, keys.offset, None, 0, 0]
-    else:
-        planes = ([], [], [], [])
-        key_args = [keys.scale, keys.minimum, None, keys.codes, keys.bits, keys.group]
-    return [row.lengths if row else [], *planes, *key_args, values.codes, values.bits,
-            values.group,
-            values.scale, values.minimum]
+        planes = keys.planes
+        return [Planes([p.codes for p in planes], [p.bits for p in planes],
+                       [p.index for p in planes], [p.mult for p in planes], keys.scale,
+                       keys.minimum, keys.offset), None, groups]
+    return [None, Groups(keys.codes, keys.scale, keys.minimum, keys.bits, keys.group), groups]
+
+
+def op_layouts(layouts: list) -> list:
+    """``packed_layouts`` as the op's TorchScript objects."""
+    return [None if layout is None else layout.op() for layout in layouts]
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

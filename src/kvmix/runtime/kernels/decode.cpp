@@ -33,6 +33,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -72,37 +73,75 @@ bool valid_bits(int64_t bits) {
   return bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8;
 }
 
-// Per-token groups of `group` channels: codes [P, bytes per block] holding H × G tokens × J
-// groups rows, scale (and min) [P, H, G, J] float16.
-Stats token_groups(const Tensor& codes, const Tensor& scale, const std::optional<Tensor>& minimum,
-                   int64_t bits, int64_t group, int64_t dim, int64_t heads, int64_t tokens,
+}  // namespace
+
+// The op's packed arguments, one structure per layout (TorchScript classes: Python builds them
+// as torch.classes.kvmix.TokenGroups and torch.classes.kvmix.ChannelPlanes).
+//
+// Per-token groups of `group` channels (values; WUSH and rotated keys): codes [P, bytes per
+// block] holding H × G tokens × J groups rows, scale (and min; none: symmetric) [P, H, G, J]
+// float16, the codes' width.
+struct TokenGroups : torch::CustomClassHolder {
+  Tensor codes, scale;
+  std::optional<Tensor> minimum;
+  int64_t bits, group;
+  TokenGroups(Tensor codes, Tensor scale, std::optional<Tensor> minimum, int64_t bits,
+              int64_t group)
+      : codes(std::move(codes)), scale(std::move(scale)), minimum(std::move(minimum)),
+        bits(bits), group(group) {}
+};
+
+// Per-channel keys (KIVI, PN-Mix, Kitty, ChanMix): per plane its codes [P, bytes per block]
+// holding H × C channel rows of G codes, its width, its channels and multipliers [H, C] or
+// [1 or sequences, H, C]; the blocks' scale and min [P, H, D] float16 and the key offsets
+// [1 or sequences, H, D] float32.
+struct ChannelPlanes : torch::CustomClassHolder {
+  std::vector<Tensor> codes;
+  std::vector<int64_t> bits;
+  std::vector<Tensor> index, mult;
+  Tensor scale, minimum, offset;
+  ChannelPlanes(std::vector<Tensor> codes, std::vector<int64_t> bits, std::vector<Tensor> index,
+                std::vector<Tensor> mult, Tensor scale, Tensor minimum, Tensor offset)
+      : codes(std::move(codes)), bits(std::move(bits)), index(std::move(index)),
+        mult(std::move(mult)), scale(std::move(scale)), minimum(std::move(minimum)),
+        offset(std::move(offset)) {}
+};
+
+using Groups = std::optional<c10::intrusive_ptr<TokenGroups>>;
+using Planes = std::optional<c10::intrusive_ptr<ChannelPlanes>>;
+
+namespace {
+
+Stats token_groups(const TokenGroups& g, int64_t dim, int64_t heads, int64_t tokens,
                    const char* what) {
-  TORCH_CHECK(valid_bits(bits), "kvmix::decode: ", what, " bits must be 1, 2, 3, 4 or 8");
-  TORCH_CHECK(group > 0 && group % 8 == 0 && dim % group == 0, "kvmix::decode: ", what,
+  TORCH_CHECK(valid_bits(g.bits), "kvmix::decode: ", what, " bits must be 1, 2, 3, 4 or 8");
+  TORCH_CHECK(g.group > 0 && g.group % 8 == 0 && dim % g.group == 0, "kvmix::decode: ", what,
               " groups must be a positive multiple of 8 channels dividing the head dim");
-  TORCH_CHECK(codes.dim() == 2, "kvmix::decode: ", what, " codes must be [pages, bytes]");
-  const int64_t rows = heads * tokens * (dim / group), pages = codes.size(0);
-  TORCH_CHECK(codes.size(1) >= rows * row_bytes(group, int(bits)), "kvmix::decode: ", what,
-              " codes hold ", codes.size(1), " bytes per page; ", rows, " rows of ", group,
-              " ", bits, "-bit codes need ", rows * row_bytes(group, int(bits)));
-  TORCH_CHECK(scale.numel() == pages * rows &&
-                  (!minimum.has_value() || minimum->numel() == pages * rows),
+  TORCH_CHECK(g.codes.dim() == 2, "kvmix::decode: ", what, " codes must be [pages, bytes]");
+  const int64_t rows = heads * tokens * (dim / g.group), pages = g.codes.size(0);
+  const int64_t need = rows * row_bytes(g.group, int(g.bits));
+  TORCH_CHECK(g.codes.size(1) >= need, "kvmix::decode: ", what, " codes hold ", g.codes.size(1),
+              " bytes per page; ", rows, " rows of ", g.group, " ", g.bits,
+              "-bit codes need ", need);
+  TORCH_CHECK(g.scale.numel() == pages * rows &&
+                  (!g.minimum.has_value() || g.minimum->numel() == pages * rows),
               "kvmix::decode: ", what, " scale and min must hold ", rows, " values per page");
-  return {data<uint8_t>(codes, "codes"), codes.size(-1), data<at::Half>(scale, "scale"),
-          minimum.has_value() ? data<at::Half>(*minimum, "min") : nullptr, int(bits), group};
+  return {data<uint8_t>(g.codes, "codes"), g.codes.size(-1), data<at::Half>(g.scale, "scale"),
+          g.minimum.has_value() ? data<at::Half>(*g.minimum, "min") : nullptr, int(g.bits),
+          g.group};
 }
 
 // The packed arguments both ops share: the pool of blocks (or one sequence's blocks).
 struct PackedArgs {
-  at::TensorList plane_codes;
-  at::IntArrayRef plane_bits;
-  at::TensorList plane_index, plane_mult;
-  const std::optional<Tensor>&key_scale, &key_min, &key_offset, &key_codes;
-  int64_t key_bits, key_group;
-  const std::optional<Tensor>& value_codes;
-  int64_t value_bits, value_group;
-  const std::optional<Tensor>&value_scale, &value_min;
+  const ChannelPlanes* planes;  // per-channel keys, or
+  const TokenGroups* keys;      // per-token keys
+  const TokenGroups* values;
 };
+
+PackedArgs packed_args(const Planes& planes, const Groups& keys, const Groups& values) {
+  return {planes ? planes->get() : nullptr, keys ? keys->get() : nullptr,
+          values ? values->get() : nullptr};
+}
 
 // Channel planes: codes [P, bytes per block] holding H × C channel rows of G codes; index and
 // multiplier [H, C] or [1 or sequences, H, C], index in [0, D).
@@ -130,36 +169,34 @@ Packed packed_layout(const PackedArgs& a, int64_t group, int64_t heads, int64_t 
   Packed pk;
   pk.group = group;
   check(group > 0 && group % 8 == 0, "groups must be a positive multiple of 8 tokens");
-  check(a.value_codes.has_value() && a.value_scale.has_value(), "packed blocks need value codes");
-  pk.values = token_groups(*a.value_codes, *a.value_scale, a.value_min, a.value_bits,
-                           a.value_group, dim, heads, group, "value");
-  pk.value_kernel = values_for(a.value_group, int(a.value_bits));
-  pk.value_ints = int_for(a.value_group, int(a.value_bits));
-  const int64_t pages = a.value_codes->size(0);
-  if (!a.plane_codes.empty()) {
+  check(a.values != nullptr, "packed blocks need value codes");
+  const TokenGroups& values = *a.values;
+  pk.values = token_groups(values, dim, heads, group, "value");
+  pk.value_kernel = values_for(values.group, int(values.bits));
+  pk.value_ints = int_for(values.group, int(values.bits));
+  const int64_t pages = values.codes.size(0);
+  if (a.planes != nullptr) {
+    const ChannelPlanes& k = *a.planes;
     pk.key_mode = 1;
-    const size_t n = a.plane_codes.size();
-    check(a.plane_bits.size() == n && a.plane_index.size() == n && a.plane_mult.size() == n,
+    const size_t n = k.codes.size();
+    check(n > 0 && k.bits.size() == n && k.index.size() == n && k.mult.size() == n,
           "plane codes, bits, index and mult must be lists of equal length");
-    check(a.key_scale.has_value() && a.key_min.has_value() && a.key_offset.has_value(),
-          "channel planes need key scale, min and offset");
-    check(a.key_scale->numel() == pages * heads * dim && a.key_min->numel() == pages * heads * dim,
+    check(k.scale.numel() == pages * heads * dim && k.minimum.numel() == pages * heads * dim,
           "key scale and min must be [pages, H, D]");
-    check(a.key_offset->numel() == heads * dim || a.key_offset->numel() == rows * heads * dim,
+    check(k.offset.numel() == heads * dim || k.offset.numel() == rows * heads * dim,
           "key offset must be [1 or sequences, H, D]");
-    pk.key_scale = data<at::Half>(*a.key_scale, "key scale");
-    pk.key_min = data<at::Half>(*a.key_min, "key min");
-    pk.key_offset = data<float>(*a.key_offset, "key offset");
+    pk.key_scale = data<at::Half>(k.scale, "key scale");
+    pk.key_min = data<at::Half>(k.minimum, "key min");
+    pk.key_offset = data<float>(k.offset, "key offset");
     for (size_t i = 0; i < n; ++i)
-      pk.planes.push_back(channel_plane(a.plane_codes[i], a.plane_bits[i], a.plane_index[i],
-                                        a.plane_mult[i], group, heads, dim, pages, rows));
+      pk.planes.push_back(channel_plane(k.codes[i], k.bits[i], k.index[i], k.mult[i], group,
+                                        heads, dim, pages, rows));
   } else {
-    check(a.key_codes.has_value() && a.key_scale.has_value(), "packed keys are missing");
-    check(a.key_codes->size(0) == pages, "key and value codes must hold the same pages");
+    check(a.keys != nullptr, "packed keys are missing");
+    check(a.keys->codes.size(0) == pages, "key and value codes must hold the same pages");
     pk.key_mode = 2;
-    pk.keys = token_groups(*a.key_codes, *a.key_scale, a.key_min, a.key_bits, a.key_group, dim,
-                           heads, group, "key");
-    pk.key_dots = dots_for(a.key_group, int(a.key_bits));
+    pk.keys = token_groups(*a.keys, dim, heads, group, "key");
+    pk.key_dots = dots_for(a.keys->group, int(a.keys->bits));
   }
   return pk;
 }
@@ -245,13 +282,8 @@ Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& opti
 
 Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
               at::TensorList float_values, int64_t causal_last, int64_t group,
-              at::IntArrayRef lengths, at::TensorList plane_codes, at::IntArrayRef plane_bits,
-              at::TensorList plane_index, at::TensorList plane_mult,
-              const std::optional<Tensor>& key_scale, const std::optional<Tensor>& key_min,
-              const std::optional<Tensor>& key_offset, const std::optional<Tensor>& key_codes,
-              int64_t key_bits, int64_t key_group, const std::optional<Tensor>& value_codes,
-              int64_t value_bits, int64_t value_group, const std::optional<Tensor>& value_scale,
-              const std::optional<Tensor>& value_min) {
+              at::IntArrayRef lengths, const Planes& planes, const Groups& token_keys,
+              const Groups& value_groups) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [Hq, q, D] float32");
   check(float_keys.size() == float_values.size() && !float_keys.empty(),
         "float keys and values must pair up");
@@ -271,12 +303,10 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
                           k.size(0), k.size(2), causal, k.size(2) * p.dim});
   }
   if (!lengths.empty()) {
-    const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
-                          key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
-                          value_group, value_scale, value_min};
-    p.packed = packed_layout(args, group, p.kv_heads, p.dim, 1);
+    p.packed = packed_layout(packed_args(planes, token_keys, value_groups), group, p.kv_heads,
+                             p.dim, 1);
     p.packed.blocks = int64_t(lengths.size());
-    check(p.packed.blocks <= value_codes->size(0), "more lengths than packed blocks");
+    check(p.packed.blocks <= (*value_groups)->codes.size(0), "more lengths than packed blocks");
     for (const int64_t length : lengths)
       check(length >= 0 && length <= group, "each block holds 0 to group tokens");
     p.packed.lengths = lengths.data();
@@ -293,14 +323,9 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
                     const std::optional<Tensor>& page_keys,
-                    const std::optional<Tensor>& page_values, at::TensorList plane_codes, at::IntArrayRef plane_bits,
-                    at::TensorList plane_index, at::TensorList plane_mult,
-                    const std::optional<Tensor>& key_scale, const std::optional<Tensor>& key_min,
-                    const std::optional<Tensor>& key_offset,
-                    const std::optional<Tensor>& key_codes, int64_t key_bits, int64_t key_group,
-                    const std::optional<Tensor>& value_codes, int64_t value_bits,
-                    int64_t value_group, const std::optional<Tensor>& value_scale,
-                    const std::optional<Tensor>& value_min, const std::optional<Tensor>& skip) {
+                    const std::optional<Tensor>& page_values, const Planes& planes,
+                    const Groups& token_keys, const Groups& value_groups,
+                    const std::optional<Tensor>& skip) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -320,19 +345,14 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const float* keys = data<float>(slot_keys, "slot keys");
   const float* values = data<float>(slot_values, "slot values");
   Packed pool;
-  const bool packed = value_codes.has_value();
+  const bool packed = value_groups.has_value();
   const bool floats = page_keys.has_value();
   if (floats)
     check(page_keys->dim() == 4 && page_keys->size(1) == H && page_keys->size(2) == group &&
               page_keys->size(3) == D && page_keys->scalar_type() == at::kFloat &&
               page_values.has_value() && page_values->sizes() == page_keys->sizes(),
           "float pages must be [P, H, G, D] float32 keys and values");
-  if (packed) {
-    const PackedArgs args{plane_codes, plane_bits, plane_index, plane_mult, key_scale, key_min,
-                          key_offset, key_codes, key_bits, key_group, value_codes, value_bits,
-                          value_group, value_scale, value_min};
-    pool = packed_layout(args, group, H, D, S);
-  }
+  if (packed) pool = packed_layout(packed_args(planes, token_keys, value_groups), group, H, D, S);
   std::vector<Problem> problems(S);
   for (int64_t s = 0; s < S; ++s) {
     Problem& p = problems[s];
@@ -361,7 +381,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (!packed || count[s] == 0) continue;
     for (int64_t n = 0; n < count[s]; ++n)
-      check(ids[n] >= 0 && ids[n] < value_codes->size(0) && tokens[n] >= 0 &&
+      check(ids[n] >= 0 && ids[n] < (*value_groups)->codes.size(0) && tokens[n] >= 0 &&
                 tokens[n] <= group,
             "the block table names a page outside the pool, or more tokens than a group");
     p.packed = pool;
@@ -371,11 +391,11 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     p.packed.skip = front;
     for (size_t i = 0; i < p.packed.planes.size(); ++i) {
       Plane& plane = p.packed.planes[i];
-      const int64_t each = plane_index[i].size(0) == S ? H * plane.channels : 0;
+      const int64_t each = (*planes)->index[i].size(0) == S ? H * plane.channels : 0;
       plane.index += s * each;
       plane.mult += s * each;
     }
-    if (p.packed.key_offset && key_offset->size(0) == S) p.packed.key_offset += s * H * D;
+    if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
   return solve(problems, query.options()).squeeze(2);
 }
@@ -392,21 +412,24 @@ std::string simd() {
 }
 
 TORCH_LIBRARY(kvmix, m) {
+  m.class_<TokenGroups>("TokenGroups")
+      .def(torch::init<Tensor, Tensor, std::optional<Tensor>, int64_t, int64_t>());
+  m.class_<ChannelPlanes>("ChannelPlanes")
+      .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>,
+                       std::vector<Tensor>, Tensor, Tensor, Tensor>());
   m.def("simd() -> str", &simd);
   m.def(
       "decode(Tensor query, float scale, Tensor[] float_keys, Tensor[] float_values, "
-      "int causal_last, int group, int[] lengths, Tensor[] plane_codes, int[] plane_bits, "
-      "Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, Tensor? key_min, "
-      "Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, Tensor? value_codes, "
-      "int value_bits, int value_group, Tensor? value_scale, Tensor? value_min) -> Tensor");
+      "int causal_last, int group, int[] lengths, "
+      "__torch__.torch.classes.kvmix.ChannelPlanes? planes, "
+      "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
+      "__torch__.torch.classes.kvmix.TokenGroups? value_groups) -> Tensor");
   m.def(
       "decode_batch(Tensor query, float scale, Tensor slot_keys, Tensor slot_values, "
       "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor? page_keys, "
-      "Tensor? page_values, Tensor[] plane_codes, "
-      "int[] plane_bits, Tensor[] plane_index, Tensor[] plane_mult, Tensor? key_scale, "
-      "Tensor? key_min, Tensor? key_offset, Tensor? key_codes, int key_bits, int key_group, "
-      "Tensor? value_codes, int value_bits, int value_group, Tensor? value_scale, "
-      "Tensor? value_min, Tensor? skip=None) -> Tensor");
+      "Tensor? page_values, __torch__.torch.classes.kvmix.ChannelPlanes? planes, "
+      "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
+      "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
