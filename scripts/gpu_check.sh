@@ -48,7 +48,7 @@ timeout 130 python -m kvmix.cli bench --shape 32,8,128 --context 16384,65536 \
   --batch 1,8,32 --methods kivi2,pnmix1 --device cuda --dtype float16 --backend triton \
   --new-tokens 20 --rounds 2 --out "$out/shape-8b-fp16" 2>&1 | tee "$out/shape-8b-fp16.txt"
 # 3. the decode step without host work
-timeout 70 python scripts/gpu_step.py --out "$out/step" --context 16384 --batch 1,8 \
+timeout 70 python scripts/gpu_step.py --out "$out/step" --context 15000 --batch 1,8 \
   --steps 40 2>&1 | tee "$out/step.txt"
 # 4. throughput at equal memory
 timeout 150 python scripts/gpu_throughput.py --out "$out/throughput" --requests 96 \

@@ -12,8 +12,11 @@ heads over 8 KV heads of dimension 128, float16), Triton backend, pools sized up
 3. ``host_us`` / ``device_us``: µs per layer step of the eager step (the calls alone, and with
    the device done), and of the replayed attention (``graph_us``).
 
-Every figure is measured; a part that cannot run says why in its row. Usage:
-  python scripts/gpu_step.py --out DIR [--methods kivi2,pnmix1] [--context 16384]
+Every figure is measured; a part that cannot run says why in its row. The default context
+(15000) keeps every row's pages within one block-table bucket through the steps (a replay
+after the table or the pool grew would read freed tensors: the script stops replaying there).
+Usage:
+  python scripts/gpu_step.py --out DIR [--methods kivi2,pnmix1] [--context 15000]
       [--batch 1,8] [--steps 40]
 """
 
@@ -101,16 +104,26 @@ def captured(cache, step, tokens, scaling: float, steps: int) -> dict:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gpu.attend_batch(store, query, scaling)
-    pages, worst = sum(map(len, store.pages)), 0.0
+    bucket = buckets(store)
+    pages, worst, replays = sum(map(len, store.pages)), 0.0, 0
     for _ in range(steps):
         step()  # eager: a new token in every row, pages sealed, metadata refreshed
+        if buckets(store) != bucket:  # a table or pool that grew: the graph must be recaptured
+            break
         query.copy_(method.transform_queries(tokens(1)[2], 0))
         graph.replay()
         eager = gpu.attend_batch(store, query, scaling)
         worst = max(worst, (out.float() - eager.float()).abs().max().item())
-    replay_us = timed(graph.replay, 50)[1]
-    return {"captured_max_abs_diff": worst, "pages_sealed_between_replays":
+        replays += 1
+    replay_us = timed(graph.replay, 50)[1] if buckets(store) == bucket else None
+    return {"captured_max_abs_diff": worst, "replays": replays, "pages_sealed_between_replays":
             sum(map(len, store.pages)) - pages, "graph_us": replay_us}
+
+
+def buckets(store) -> tuple:
+    """What a captured graph holds by address: the block table's width and the pool's tensors
+    (a change is a new bucket: capture again)."""
+    return store.steps.table(store).width, store.pool.version
 
 
 def main() -> None:
@@ -118,7 +131,7 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
     parser.add_argument("--methods", default="kivi2,pnmix1")
-    parser.add_argument("--context", default="16384")
+    parser.add_argument("--context", default="15000")  # pages stay within a table bucket
     parser.add_argument("--batch", default="1,8")
     parser.add_argument("--steps", type=int, default=40)
     args = parser.parse_args()
