@@ -144,8 +144,8 @@ def _row_pages(view: KernelView, lengths: list[int],
     """One sequence's blocks as a pool of pages 0..n-1 and its block table."""
     blocks = len(lengths)
     table = Table(torch.arange(blocks, device=device)[None],
-                        torch.tensor([lengths], dtype=torch.long, device=device),
-                        torch.tensor([blocks], dtype=torch.long, device=device), blocks)
+                  torch.tensor([lengths], dtype=torch.long, device=device),
+                  torch.tensor([blocks], dtype=torch.long, device=device), blocks)
     if not isinstance(view.keys, ChannelKeys):
         return batch.PoolView(view, [], [], None), table
     planes = view.keys.planes
