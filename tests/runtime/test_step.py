@@ -20,6 +20,7 @@ from kvmix.runtime.layer import KVMixLayer
 from kvmix.runtime.steps import Staged, bucket, meta
 
 BACKENDS = ["cpu"] + (["triton"] if gpu.available()[0] else [])  # the fused paths
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
 
 
 class HostWork(AssertionError):
@@ -105,9 +106,11 @@ def test_generate_decodes_without_host_work(backend, name, new, monkeypatch):
     """Every decode step's update and write-and-attend in every layer, over steps that seal
     pages (a seal, after the attention, is host work between steps: between graph replays):
     no sync, no device tensor from a list; the tokens equal the reference path's."""
-    model = tiny_llama(seed=3)
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    model = tiny_llama(seed=3).to(device)
     method = method_string(name, model if name == "wush" else None)
     prompt = torch.randint(1, 97, (2, 21), generator=torch.Generator().manual_seed(3))
+    prompt = prompt.to(device)
     runner = kvmix.prepare_model(model, method)
     out, entered = {}, []
     for run in ("torch", backend):
@@ -251,8 +254,8 @@ def test_a_triton_step_launches_with_the_same_arguments_across_steps(name, monke
     from helpers import make
 
     cache = make(name, backend="triton", max_batch=3, max_tokens=64)  # a pool sized up front
-    prefill(cache, [45, 9, 30])
-    step(cache, 3, seed=99)  # the first step builds what later steps reuse
+    prefill(cache, [45, 9, 30], device=TRITON_DEVICE)
+    step(cache, 3, seed=99, device=TRITON_DEVICE)  # the first step builds what later reuse
     launches: list = []
     for kernel in ("_pages", "_merge"):
         monkeypatch.setattr(gpu, kernel, Recorder(kernel, getattr(gpu, kernel), launches))
@@ -260,7 +263,7 @@ def test_a_triton_step_launches_with_the_same_arguments_across_steps(name, monke
     pages = [len(p) for p in store.pages]
     width = store.steps.table(store).width
     for i in range(12):
-        step(cache, 3, seed=100 + i)
+        step(cache, 3, seed=100 + i, device=TRITON_DEVICE)
     assert [len(p) for p in store.pages] != pages  # pages were sealed in between
     assert store.steps.table(store).width == width  # one bucket
     pages_kernel = [launch for launch in launches if launch[0] != "_merge"]
