@@ -29,28 +29,18 @@ from pathlib import Path
 
 import torch
 
-from kvmix.evaluation.opbench import Shape, _Tokens
-from kvmix.runtime.cache import KVMixCache
+from kvmix.evaluation.opbench import Shape, Tokens, synthetic
 from kvmix.runtime.kernels import gpu
-from kvmix.runtime.layer import KVMixLayer, take_pending
+from kvmix.runtime.layer import KVMixLayer
 
 
 def build(method: str, shape: Shape, context: int, batch: int, steps: int, device):
-    """A one-layer cache holding ``context`` tokens per sequence, and its decode step."""
-    tokens = _Tokens(shape, batch, torch.float16, device)
-    cache = KVMixCache(method, shape.config(), shape.pairs(), backend="triton",
-                       max_batch=batch, max_tokens=context + steps + 512)
-    layer = cache.layers[0]
-    for start in range(0, context, 4096):
-        layer.fill(*tokens(min(4096, context - start)))
-    scaling = shape.head_dim ** -0.5
-
-    def step() -> None:
-        keys, values, queries = tokens(1)
-        cache.update(keys, values, 0)
-        take_pending().attend(cache.method.transform_queries(queries, 0), None, scaling)
-
-    return cache, step, tokens, scaling
+    """A one-layer cache holding ``context`` tokens per sequence in a pool sized up front, its
+    decode step, its token source and its scaling."""
+    tokens = Tokens(shape, batch, torch.float16, device)
+    cache, step = synthetic(shape, method, "triton", context, tokens, max_batch=batch,
+                            max_tokens=context + steps + 512)
+    return cache, step, tokens, shape.head_dim ** -0.5
 
 
 def sync_free(step, steps: int) -> str:

@@ -83,7 +83,7 @@ def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], bat
     names = list(dict.fromkeys(["full", *methods]))
     for context in contexts:
         for batch in batches:
-            generator = _Tokens(shape, batch, dtype, device)
+            generator = Tokens(shape, batch, dtype, device)
             candidates = [_sdpa(shape, context, batch, generator)]
             candidates += [_kvmix(shape, name, backend, context, batch, generator)
                            for name in names]
@@ -99,7 +99,7 @@ def run(shape: Shape, methods: list[str], backend: str, contexts: list[int], bat
     return rows
 
 
-class _Tokens:
+class Tokens:
     """Random keys, values and queries of a shape (keys with a few outlier channels, as real
     keys have, so that channel selection has something to find)."""
 
@@ -118,7 +118,7 @@ class _Tokens:
         return keys, draw(s.kv_heads).to(self.dtype), draw(s.heads).to(self.dtype)
 
 
-def _sdpa(shape: Shape, context: int, batch: int, tokens: _Tokens) -> Candidate:
+def _sdpa(shape: Shape, context: int, batch: int, tokens: Tokens) -> Candidate:
     chunks = [tokens(min(4096, context - start)) for start in range(0, context, 4096)]
     keys = torch.cat([c[0] for c in chunks], dim=2)  # [B, H, T, D]
     values = torch.cat([c[1] for c in chunks], dim=2)
@@ -130,9 +130,12 @@ def _sdpa(shape: Shape, context: int, batch: int, tokens: _Tokens) -> Candidate:
     return Candidate("sdpa", "torch", step, keys.nbytes + values.nbytes)
 
 
-def _kvmix(shape: Shape, method: str, backend: str, context: int, batch: int,
-           tokens: _Tokens) -> Candidate:
-    cache = KVMixCache(method, shape.config(), shape.pairs(), backend=backend)
+def synthetic(shape: Shape, method: str, backend: str, context: int, tokens: Tokens,
+              **sizes) -> tuple[KVMixCache, Callable[[], None]]:
+    """A one-layer cache holding ``context`` random tokens per sequence (``sizes``: the
+    cache's ``max_batch``/``max_tokens``), and its decode step (update and attention, as a
+    model calls them)."""
+    cache = KVMixCache(method, shape.config(), shape.pairs(), backend=backend, **sizes)
     layer = cache.layers[0]
     for start in range(0, context, 4096):  # in chunks: a float prompt of 128K is large
         layer.fill(*tokens(min(4096, context - start)))
@@ -143,11 +146,17 @@ def _kvmix(shape: Shape, method: str, backend: str, context: int, batch: int,
         cache.update(keys, values, 0)
         take_pending().attend(cache.method.transform_queries(queries, 0), None, scaling)
 
+    return cache, step
+
+
+def _kvmix(shape: Shape, method: str, backend: str, context: int, batch: int,
+           tokens: Tokens) -> Candidate:
+    cache, step = synthetic(shape, method, backend, context, tokens)
     nbytes = cache.nbytes()
     return Candidate(method, backend, step, nbytes, nbytes, _encode_us(cache, tokens, backend))
 
 
-def _encode_us(cache: KVMixCache, tokens: _Tokens, backend: str) -> float:
+def _encode_us(cache: KVMixCache, tokens: Tokens, backend: str) -> float:
     """Median time to encode one block (keys and values) of one sequence and layer."""
     method, row = cache.method, cache.layers[0].rows[0]
     keys, values, _ = tokens(method.group)

@@ -8,7 +8,9 @@ cache so its bytes are the cache's own only.
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -17,16 +19,25 @@ from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.store import BatchStore
 
 
-@dataclass(eq=False)  # cached by identity (the fused ops key their arguments on it)
+@dataclass
 class PoolView:
     """The pool read by a batched kernel: ``view`` of every page (float pages: keys and values
     [P, H, G, D]), and, for per-channel keys, each sequence's plane channels, multipliers
-    and key offsets stacked [B, H, ...]. ``view`` is None while no page exists."""
+    and key offsets stacked [B, H, ...]. ``view`` is None while no page exists. ``built``: what
+    each backend builds from it for its launches, once per view (``arguments``)."""
 
     view: KernelView | None
     index: list[torch.Tensor]  # per plane [B, H, C] int64
     mult: list[torch.Tensor]  # per plane [B, H, C] float32
     offset: torch.Tensor | None  # [B, H, D] float32
+    built: dict = field(default_factory=dict, repr=False)
+
+
+def arguments(pool: PoolView, backend: str, build: Callable[[PoolView], Any]) -> Any:
+    """``build(pool)``, once per pool view and backend: decode steps reuse it."""
+    if backend not in pool.built:
+        pool.built[backend] = build(pool)
+    return pool.built[backend]
 
 
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -25,7 +25,6 @@ import os
 import platform
 import subprocess
 import sys
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +38,6 @@ SOURCE = Path(__file__).with_name("decode.cpp")  # the op's entry; its parts in 
 PARTS = sorted(Path(__file__).with_name("decode").glob("*.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w")
 MAX_QUERIES = 16  # longer chunks (a prefill) go to the reference path's SDPA
-_POOL_ARGUMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # pool view -> args
 
 
 class KernelUnavailable(RuntimeError):
@@ -157,18 +155,17 @@ def _pool_arguments(pool: batch.PoolView) -> list:
     """The op's arguments after ``counts``: float pages [P, H, G, D] (keys, values), then the
     packed layouts of the pool with each sequence's plane channels, multipliers and key
     offsets (built once per pool view)."""
-    cached = _POOL_ARGUMENTS.get(pool)
-    if cached is None:
-        if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
-            cached = [pool.view.keys, pool.view.values, None, None, None]
-        else:
-            layouts = packed_layouts(pool.view)
-            if pool.offset is not None:
-                layouts[0] = dataclasses.replace(layouts[0], index=pool.index, mult=pool.mult,
-                                                 offset=pool.offset)
-            cached = [None, None, *op_layouts(layouts)]
-        _POOL_ARGUMENTS[pool] = cached
-    return cached
+    return batch.arguments(pool, "cpu", _built_arguments)
+
+
+def _built_arguments(pool: batch.PoolView) -> list:
+    if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
+        return [pool.view.keys, pool.view.values, None, None, None]
+    layouts = packed_layouts(pool.view)
+    if pool.offset is not None:
+        layouts[0] = dataclasses.replace(layouts[0], index=pool.index, mult=pool.mult,
+                                         offset=pool.offset)
+    return [None, None, *op_layouts(layouts)]
 
 
 def _float_blocks(view: KernelView, lengths: list[int]) -> list[tuple[torch.Tensor, ...]]:

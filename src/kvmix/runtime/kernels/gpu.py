@@ -169,11 +169,8 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
               (parts, rows, heads, reps)]
     acc, top, total = (workspace or Workspace()).take(shapes, query.device)
     slot_args = (*slots, slots[0].shape[2]) if slots else (query, query, table.counts, 0)
-    view = pool.view
-    channels = isinstance(view.keys, ChannelKeys)
-    keys, key_layout = _channel_keys(view.keys, pool, group) if channels else _source(
-        view.keys, dim)
-    values, value_layout = _source(view.values, dim)
+    channels, (keys, key_layout), (values, value_layout) = batch.arguments(
+        pool, "triton", lambda p: _pool_sources(p, group, dim))
     sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group,
              "BLOCK_R": _pow2(reps), "BLOCK_G": _pow2(group), "BLOCK_D": _pow2(dim),
              "BLOCK_T": min(_pow2(slot_args[3]), SLOT_TILE),
@@ -183,6 +180,15 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
                                   table.width, splits, keys, values, slot_args, acc, top,
                                   total, heads, reps, dim, **sizes)
     return acc, top, total
+
+
+def _pool_sources(pool: batch.PoolView, group: int, dim: int) -> tuple:
+    """What ``_pages`` reads of the pool: whether keys are per-channel, then keys and values
+    each as (tensors and sizes, layout)."""
+    keys = pool.view.keys
+    if isinstance(keys, ChannelKeys):
+        return True, _channel_keys(keys, pool, group), _source(pool.view.values, dim)
+    return False, _source(keys, dim), _source(pool.view.values, dim)
 
 
 def _channel_keys(keys: ChannelKeys, pool: batch.PoolView, group: int) -> tuple:
