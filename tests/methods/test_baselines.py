@@ -90,7 +90,7 @@ def test_chanmix_classes_have_the_documented_fractions_and_criteria():
     keys[:, 0, :, 7] = torch.linspace(-30, 30, 50)  # channel 7: the widest key range...
     queries[:, :3, :, 7] = 0.0  # ...and no query-key contribution
     keys[:, 0, :, 11] = 1e-3  # channel 11: the smallest magnitude
-    classes = method.classify(queries, keys)  # [1, 3, 64]
+    classes = method.classify(method.query_sums(queries) / 50, keys)  # [1, 3, 64]
     counts = [(classes == c).sum(-1) for c in range(4)]
     assert all(torch.equal(n, torch.full((1, 3), m)) for n, m in zip(counts, (4, 8, 36, 16),
                                                                     strict=True))

@@ -46,12 +46,29 @@ def group_mean(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def scores(criterion: str, queries: torch.Tensor, keys: torch.Tensor,
            valid: torch.Tensor | None, pairs: torch.Tensor) -> torch.Tensor:
     """Importance per (B, Hkv) of each pair ([B, Hkv, P]) or channel ([B, Hkv, D])."""
-    queries, keys = queries.float(), keys.float()
-    key_valid = valid[:, -keys.shape[-2]:] if valid is not None else None
+    query_mean = None
     if criterion == "qk_pair_norm":
         query_valid = valid[:, -queries.shape[-2]:] if valid is not None else None
-        q = group_mean(masked_mean(pair_norms(queries, pairs), query_valid), keys.shape[1])
-        return q * masked_mean(pair_norms(keys, pairs), key_valid)
+        query_mean = group_mean(masked_mean(pair_norms(queries.float(), pairs), query_valid),
+                                keys.shape[1])
+    return key_scores(criterion, query_mean, keys, valid, pairs)
+
+
+def query_pair_sums(queries: torch.Tensor, pairs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Σ over tokens of each pair's norm, averaged over the query heads of each KV head:
+    queries [B, Hq, T, D] -> [B, Hkv, P] float32. Sums of chunks add up, so the ``qk_pair_norm``
+    query side can be gathered over several steps (divide by the tokens for the mean)."""
+    return group_mean(pair_norms(queries.float(), pairs).sum(-2), kv_heads)
+
+
+def key_scores(criterion: str, query_mean: torch.Tensor | None, keys: torch.Tensor,
+               valid: torch.Tensor | None, pairs: torch.Tensor) -> torch.Tensor:
+    """``scores`` with the query side given as its per-pair mean norm [B, Hkv, P] (used by
+    ``qk_pair_norm`` only)."""
+    keys = keys.float()
+    key_valid = valid[:, -keys.shape[-2]:] if valid is not None else None
+    if criterion == "qk_pair_norm":
+        return query_mean * masked_mean(pair_norms(keys, pairs), key_valid)
     if criterion == "key_pair_norm":
         return masked_mean(pair_norms(keys, pairs), key_valid)
     if criterion == "key_magnitude":

@@ -156,6 +156,20 @@ class Method:
         [B, Hkv, T, D]."""
         return None
 
+    def query_sums(self, queries: torch.Tensor) -> torch.Tensor | None:
+        """What ``select`` reads of queries [B, Hq, T, D], summed over the tokens ([B, Hkv, C]
+        float32), or None where it reads no query. Sums of chunks add up, so ``select_from`` can
+        select from queries that arrived over several steps (the vLLM plugin's first group)."""
+        return None
+
+    def select_from(self, query_sums: torch.Tensor | None, tokens: torch.Tensor,
+                    keys: torch.Tensor, layer: int, values: torch.Tensor | None = None) -> Any:
+        """``select`` from ``query_sums`` over ``tokens`` [B] tokens and those tokens' keys and
+        values [B, Hkv, T, D]: what ``select`` gives for the queries the sums came from."""
+        if type(self).select is Method.select:
+            return None
+        raise NotImplementedError(f"{self.name} selects from the prompt's queries only")
+
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
         """Applied to new keys [B, H, q, D] as they enter the cache (after RoPE)."""
         return keys
@@ -255,6 +269,13 @@ class PerTokenValues(Method):
 
     def value_bits_per_element(self) -> float:
         return self.value_bits + STAT_BITS / self.value_group
+
+
+def select_by_sums(method: Method, queries: torch.Tensor, keys: torch.Tensor, layer: int,
+                   values: torch.Tensor | None) -> Any:
+    """``select`` of a method that selects through ``query_sums`` and ``select_from``."""
+    tokens = torch.full((keys.shape[0],), float(queries.shape[-2]), device=keys.device)
+    return method.select_from(method.query_sums(queries), tokens, keys, layer, values)
 
 
 def token_groups(stored: QuantizedTensor, group: int, symmetric: bool = False) -> TokenGroups:

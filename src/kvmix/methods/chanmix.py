@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.importance import group_mean, mask_index, scores, top_mask
+from kvmix.core.importance import group_mean, key_scores, mask_index, top_mask
 from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
 from kvmix.methods import register
@@ -41,6 +41,7 @@ from kvmix.methods.base import (
     ModelSpec,
     PerTokenValues,
     Plane,
+    select_by_sums,
 )
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
@@ -113,15 +114,23 @@ class ChanMix(PerTokenValues):
 
     def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
                values: torch.Tensor | None = None) -> ChannelClasses:
-        classes = self.classify(queries, keys)  # [B, H, D]
+        return select_by_sums(self, queries, keys, layer, values)
+
+    def query_sums(self, queries: torch.Tensor) -> torch.Tensor:
+        return group_mean(queries.float().abs().sum(-2), self.spec.n_kv_heads)  # [B, H, D]
+
+    def select_from(self, query_sums: torch.Tensor | None, tokens: torch.Tensor,
+                    keys: torch.Tensor, layer: int, values: torch.Tensor | None = None
+                    ) -> ChannelClasses:
+        classes = self.classify(query_sums / tokens[:, None, None], keys)  # [B, H, D]
         return ChannelClasses(pack(classes, 2))
 
-    def classify(self, queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        """[B, H, D] class ids (0 retrieval, 1 outlier, 2 normal, 3 subnormal)."""
-        contribution = group_mean(queries.float().abs().mean(-2), keys.shape[1])
-        contribution = contribution * keys.float().abs().mean(-2)
-        spread = scores("key_range", queries, keys, None, None)
-        smallness = -scores("key_magnitude", queries, keys, None, None)
+    def classify(self, query_mean: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """Class ids [B, H, D] (0 retrieval, 1 outlier, 2 normal, 3 subnormal) from the mean
+        |q| of each channel over the group's query heads [B, H, D] and the keys [B, H, T, D]."""
+        contribution = query_mean * keys.float().abs().mean(-2)
+        spread = key_scores("key_range", None, keys, None, None)
+        smallness = -key_scores("key_magnitude", None, keys, None, None)
         classes = torch.full(keys.shape[:2] + keys.shape[-1:], 2, dtype=torch.uint8,
                              device=keys.device)
         retrieval, outlier, _, subnormal = self.counts(keys.shape[-1])

@@ -33,10 +33,11 @@ from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
     group_mean,
+    key_scores,
     mask_index,
     pair_norms,
     pair_to_channels,
-    scores,
+    query_pair_sums,
     top_mask,
 )
 from kvmix.core.packing import check_bits, pack, unpack
@@ -55,6 +56,7 @@ from kvmix.methods.base import (
     choice,
     every_channel,
     require_pairs,
+    select_by_sums,
 )
 
 SELECTIONS = ("prefill", "online")
@@ -172,7 +174,20 @@ class PNMix(PerTokenValues):
                values: torch.Tensor | None = None) -> PairMask | RunningNorms:
         if self.selection == "online":
             return self.observe(None, queries, keys, layer)
-        score = scores(self.criterion, queries, keys, None, self.spec.pairs)  # [B, H, units]
+        return select_by_sums(self, queries, keys, layer, values)
+
+    def query_sums(self, queries: torch.Tensor) -> torch.Tensor | None:
+        if self.criterion != "qk_pair_norm":
+            return None
+        return query_pair_sums(queries, self.spec.pairs, self.spec.n_kv_heads)  # [B, H, P]
+
+    def select_from(self, query_sums: torch.Tensor | None, tokens: torch.Tensor,
+                    keys: torch.Tensor, layer: int, values: torch.Tensor | None = None
+                    ) -> PairMask:
+        if self.selection == "online":
+            raise NotImplementedError("selection='online' follows every query (observe)")
+        query_mean = None if query_sums is None else query_sums / tokens[:, None, None]
+        score = key_scores(self.criterion, query_mean, keys, None, self.spec.pairs)
         units = score.shape[-1]
         count = self.high_channels(self.spec.head_dim)
         chosen = top_mask(score, count // 2 if units < self.spec.head_dim else count)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from kvmix.core.tree import map_tensors
-from kvmix.methods import ChannelKeys, KernelView
+from kvmix.methods import ChannelKeys, KernelView, Method
 from kvmix.runtime.store import BatchStore
 
 
@@ -57,16 +57,24 @@ def _pool_view(store: BatchStore) -> PoolView | None:
     if store.pool.pages is None:
         return PoolView(None, [], [], None)
     pool = map_tensors(store.pool.pages, lambda t: t.unsqueeze(0))  # one "sequence" of pages
-    selections = {id(s): s for s in store.selections}  # one view per distinct selection
-    views = {key: store.method.kernel_view(pool, store.layer, s) for key, s in selections.items()}
+    return build_pool_view(store.method, store.layer, pool, store.selections)
+
+
+def build_pool_view(method: Method, layer: int, pool: Any, selections: list[Any]
+                    ) -> PoolView | None:
+    """A pool of pages (the method's state, tensors [1, P, ...]) as a batched kernel reads it
+    for sequences of ``selections`` (one kernel view per distinct selection object), or None
+    where the method has no kernel view. Shared by kvmix's cache and its vLLM plugin."""
+    distinct = {id(s): s for s in selections}
+    views = {key: method.kernel_view(pool, layer, s) for key, s in distinct.items()}
     if any(v is None for v in views.values()):
         return None
     first = next(iter(views.values()))
     if not isinstance(first.keys, ChannelKeys):
         return PoolView(first, [], [], None)
-    planes = [views[id(s)].keys.planes for s in store.selections]
+    planes = [views[id(s)].keys.planes for s in selections]
     count = range(len(first.keys.planes))
     index = [torch.stack([p[i].index for p in planes]) for i in count]
     mult = [torch.stack([p[i].mult for p in planes]).float() for i in count]
-    offset = torch.stack([views[id(s)].keys.offset.float() for s in store.selections])
+    offset = torch.stack([views[id(s)].keys.offset.float() for s in selections])
     return PoolView(first, index, mult, offset.contiguous())

@@ -155,10 +155,11 @@ def _pool_arguments(pool: batch.PoolView) -> list:
     """The op's arguments after ``counts``: float pages [P, H, G, D] (keys, values), then the
     packed layouts of the pool with each sequence's plane channels, multipliers and key
     offsets (built once per pool view)."""
-    return batch.arguments(pool, "cpu", _built_arguments)
+    return batch.arguments(pool, "cpu", built_arguments)
 
 
-def _built_arguments(pool: batch.PoolView) -> list:
+def built_arguments(pool: batch.PoolView) -> list:
+    """The op's pool arguments of a pool view (what ``batch.arguments`` keeps per view)."""
     if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):
         return [pool.view.keys, pool.view.values, None, None, None]
     layouts = packed_layouts(pool.view)

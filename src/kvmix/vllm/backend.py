@@ -1,0 +1,224 @@
+"""kvmix's attention backend for vLLM: the classes vLLM's attention layers and model runner
+call (``AttentionBackend``, its metadata builder and its implementation), thin over
+``kvmix.vllm.plan`` (a step planned once) and ``kvmix.vllm.layer`` (each layer's pages and
+staging).
+
+vLLM allocates each layer's KV tensor as uint8 of the method's page size (``customize_spec``),
+so its scheduler admits requests by packed bytes; the backend updates the cache inside
+``forward`` (the sealing of a group reads the step's queries, for PN-Mix's selection).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.platforms import current_platform
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionLayer,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from kvmix.vllm.layer import LayerCache
+from kvmix.vllm.pages import layout
+from kvmix.vllm.plan import Staging, StepPlan, plan_step
+from kvmix.vllm.settings import Refused, Settings, resolve
+
+logger = logging.getLogger(__name__)
+
+
+_ACTIVE: list[Settings] = []  # the settings of the engine this process builds
+
+
+def current() -> Settings:
+    """The kvmix settings of the vLLM configuration being built: resolved while vLLM builds
+    the model (its configuration is current then) and kept for the calls made outside that
+    context (``customize_spec`` while the KV cache is sized)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    if config is not None and config.model_config is not None:
+        settings = resolve(config)
+        if settings is not None and (not _ACTIVE or _ACTIVE[-1].text != settings.text
+                                     or _ACTIVE[-1].spec != settings.spec):
+            _ACTIVE.append(settings)
+    if not _ACTIVE:
+        raise Refused("kvmix's backend was selected without a kvmix method in "
+                      """--additional-config '{"kvmix": {"method": "..."}}'""")
+    return _ACTIVE[-1]
+
+
+@functools.cache
+def page_bytes(settings: Settings, dtype: torch.dtype) -> int:
+    """Bytes of one kvmix page: the widest layer's (per-layer widths share vLLM's page)."""
+    return max(layout(settings.method, settings.spec, layer, dtype).page_bytes
+               for layer in range(settings.spec.n_layers))
+
+
+class KvmixBackend(AttentionBackend):
+    """kvmix's packed formats as a vLLM attention backend (CPU: kvmix's fused op; CUDA:
+    ``--attention-backend CUSTOM``)."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        # the registry member this class stands in for (vLLM maps the name back to it)
+        return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[KvmixImpl]:
+        return KvmixImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KvmixMetadataBuilder]:
+        return KvmixMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(current().group)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # each layer's bytes in one run: its pages field by field
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """uint8 pages of the method's size: ``block_size / group`` kvmix pages per block."""
+        settings = current()
+        if spec.block_size % settings.group:
+            raise Refused(f"vLLM's block size {spec.block_size} is not a multiple of "
+                          f"{settings.method.name}'s group={settings.group}: a block holds whole "
+                          f"groups (use --block-size {settings.group} or a multiple)")
+        pages = spec.block_size // settings.group
+        total = pages * page_bytes(settings, settings.dtype)
+        cells = spec.num_kv_heads * spec.block_size
+        return replace(spec, dtype=torch.uint8, state_content_bytes=math.ceil(total / cells))
+
+
+@dataclass
+class KvmixMetadata:
+    """A step's plan and its token count (what every layer's ``forward`` reads)."""
+
+    plan: StepPlan
+    num_actual_tokens: int
+
+
+class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
+    """Plans each step once for every layer (``plan_step``) and keeps the staging book."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.settings = resolve(vllm_config)
+        self.block_size = kv_cache_spec.block_size
+        self.staging = Staging(vllm_config.scheduler_config.max_num_seqs)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KvmixMetadata:
+        meta = common_attn_metadata
+        starts = meta.query_start_loc_cpu.numpy().astype(np.int64)
+        lengths = meta.seq_lens_cpu_upper_bound if meta.seq_lens_cpu_upper_bound is not None \
+            else meta.seq_lens
+        table = meta.block_table_tensor[: meta.num_reqs]
+        plan = plan_step(self.staging, self.settings.group, self.block_size, starts,
+                         lengths.cpu().numpy().astype(np.int64)[: meta.num_reqs],
+                         table.cpu().numpy().astype(np.int64), self.device)
+        return KvmixMetadata(plan, meta.num_actual_tokens)
+
+
+class KvmixImpl(AttentionImpl[KvmixMetadata]):
+    """One attention layer: refuses at start-up what it cannot honour, then runs each step on
+    its ``LayerCache`` (made at the layer's first step, when its name is known)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 alibi_slopes: list[float] | None, sliding_window: int | None,
+                 kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **extra: Any):
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
+        config = get_current_vllm_config()
+        self.settings = current()
+        refuse(config, self.settings, head_size=head_size, sliding_window=sliding_window,
+               kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap,
+               alibi_slopes=alibi_slopes, attn_type=attn_type,
+               kv_sharing_target_layer_name=kv_sharing_target_layer_name,
+               sinks=extra.get("sinks"))
+        self.dtype = config.model_config.dtype
+        self.slots = config.scheduler_config.max_num_seqs
+        self.block_size = config.cache_config.block_size
+        self.cache: LayerCache | None = None
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: KvmixMetadata,
+                output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        # query: [N, Hq, D]; key, value: [N, H, D]; output: [N, Hq, D]
+        if attn_metadata is None:  # vLLM's warm-up and profiling runs
+            return output
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("kvmix: fused output quantization is not supported")
+        cache = self._cache(layer, kv_cache)
+        n = attn_metadata.num_actual_tokens
+        cache.step(attn_metadata.plan, query[:n], key[:n], value[:n], self.scale, output[:n])
+        return output
+
+    def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> LayerCache:
+        if self.cache is None:
+            self.cache = LayerCache(self.settings, extract_layer_index(layer.layer_name),
+                                    self.dtype, self.slots, kv_cache.shape[2], kv_cache.device)
+        self.cache.bind(kv_cache)
+        return self.cache
+
+
+def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
+    """``Refused`` naming the first setting of vLLM or of the layer kvmix cannot honour."""
+    method = settings.method
+    checks = [
+        (layer["kv_cache_dtype"] != "auto",
+         f"--kv-cache-dtype {layer['kv_cache_dtype']} on top of kvmix's own packed format "
+         "(use the default, auto)"),
+        (layer["sliding_window"] is not None,
+         f"a sliding window of {layer['sliding_window']} tokens (kvmix's vLLM backend masks none)"),
+        (layer["logits_soft_cap"] not in (None, 0), "attention logit soft-capping"),
+        (layer["alibi_slopes"] is not None, "ALiBi slopes"),
+        (layer["sinks"] is not None, "learned attention sinks"),
+        (layer["attn_type"] != AttentionType.DECODER,
+         f"attention of type {layer['attn_type']} (decoder self-attention only)"),
+        (layer["kv_sharing_target_layer_name"] is not None, "KV sharing between layers"),
+        (layer["head_size"] != settings.spec.head_dim,
+         f"head size {layer['head_size']} (the model config says {settings.spec.head_dim})"),
+        (config.speculative_config is not None, "speculative decoding"),
+        (config.kv_transfer_config is not None,
+         "a KV connector (it copies blocks' bytes; kvmix lays a layer's pages out field by "
+         "field)"),
+        (config.parallel_config.decode_context_parallel_size > 1,
+         "decode context parallelism"),
+        (config.cache_config.block_size % settings.group != 0,
+         f"--block-size {config.cache_config.block_size}, not a multiple of "
+         f"{method.name}'s group={settings.group}"),
+    ]
+    for failed, what in checks:
+        if failed:
+            raise Refused(f"kvmix method {settings.text!r} cannot run with {what}")

@@ -1,0 +1,244 @@
+"""One attention layer's kvmix cache inside vLLM: its pages (views into vLLM's KV tensor), the
+float staging of each running sequence's open group, and a step's work on them.
+
+A step (``StepPlan``, planned once for every layer) runs in three parts:
+
+1. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op over vLLM's
+   block table, their float context the staged tokens and the new one; longer rows (prefill
+   chunks) through the reference path: their pages decoded, then causal SDPA over history,
+   staged tokens and the chunk;
+2. seal — every group completed this step (staged tokens and new ones) encoded in one
+   ``encode`` call and written into its page; a row's first group first picks the row's
+   selection from its tokens' queries and keys, later groups copy it from the first page;
+3. stage — the new tokens of groups still open written to their staging slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kvmix.core.tree import map_tensors, tagged_tensors
+from kvmix.methods import Blocks, Method
+from kvmix.runtime.kernels import batch, cpu
+from kvmix.runtime.kernels.reference import sdpa
+from kvmix.vllm.pages import Page, layout
+from kvmix.vllm.plan import Chunk, StepPlan
+from kvmix.vllm.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+
+class LayerCache:
+    """kvmix's state of one attention layer (``layer``) inside vLLM."""
+
+    def __init__(self, settings: Settings, layer: int, dtype: torch.dtype, slots: int,
+                 block_size: int, device: torch.device):
+        method, spec = settings.method, settings.spec
+        self.method, self.layer, self.dtype = method, layer, dtype
+        self.layout = layout(method, spec, layer, dtype)
+        self.per_block = block_size // method.group
+        shape = (slots, spec.n_kv_heads, method.group, spec.head_dim)
+        # [slots, H, G, D]: each running sequence's open group
+        self.staged_keys = torch.zeros(shape, dtype=settings.staging, device=device)
+        self.staged_values = torch.zeros(shape, dtype=settings.staging, device=device)
+        probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
+        self.sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
+                                                               device=device)
+        self.pages: Page | None = None
+        self.cache: torch.Tensor | None = None
+        self.fused = _fused(method, spec.head_dim, dtype)
+        self._views: tuple[Any, batch.PoolView | None] = (None, None)
+
+    # -- binding -------------------------------------------------------------------------------
+
+    def bind(self, cache: torch.Tensor) -> None:
+        """Lay the pages out in vLLM's tensor of this layer (once per tensor)."""
+        if cache is self.cache:
+            return
+        if not cache.is_contiguous():
+            raise ValueError("kvmix: vLLM's KV tensor of a layer is not contiguous; kvmix needs "
+                             "the layer-major layout (VLLM_KV_CACHE_LAYOUT=LBHNC)")
+        self.pages = self.layout.views(cache, cache.shape[0] * self.per_block)
+        self.cache, self._views = cache, (None, None)
+
+    def staging_bytes(self) -> int:
+        held = [self.staged_keys, self.staged_values] + ([self.sums] if self.sums is not None
+                                                         else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    # -- a step --------------------------------------------------------------------------------
+
+    def step(self, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             scale: float, output: torch.Tensor) -> None:
+        """query [N, Hq, D], key, value [N, H, D] of the step's tokens -> output [N, Hq, D]."""
+        query = self._heads_first(query, self.method.transform_queries)  # [1, Hq, N, D]
+        key = self._heads_first(key, self.method.transform_keys)  # [1, H, N, D]
+        value = value.transpose(0, 1).unsqueeze(0)
+        if plan.decode_tokens.numel():
+            self._decode(plan, query, key, value, scale, output)
+        for chunk in plan.chunks:
+            self._chunk(chunk, query, key, value, scale, output)
+        if plan.sealed:
+            self._seal(plan, query, key, value)
+        self._stage(plan, key, value)
+
+    def _heads_first(self, x: torch.Tensor, transform) -> torch.Tensor:
+        return transform(x.transpose(0, 1).unsqueeze(0), self.layer)
+
+    # -- attend --------------------------------------------------------------------------------
+
+    def _decode(self, plan: StepPlan, query, key, value, scale: float, output) -> None:
+        """Every one-token row in one op call (or, without the op, row by row)."""
+        tokens = plan.decode_tokens
+        context = [self._context(plan, x, staged) for x, staged in
+                   ((key, self.staged_keys), (value, self.staged_values))]
+        if not self.fused:
+            for row, token in enumerate(tokens.tolist()):
+                self._reference(plan, row, token, query, context, scale, output)
+            return
+        pool = self._pool_view(plan)
+        arguments = batch.arguments(pool, "cpu", cpu.built_arguments)
+        out = torch.ops.kvmix.decode_batch(
+            query[0, :, tokens].transpose(0, 1).float().contiguous(), scale, *context,
+            plan.spans, self.method.group, plan.table, plan.held, plan.counts, *arguments)
+        output[tokens] = out.to(output.dtype)
+
+    def _context(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+        """Each decode row's staged tokens, then its new one: [Rd, H, G, D] float32."""
+        slots = plan.decode_slots.clamp(min=0)
+        context = staged.index_select(0, slots).float()
+        rows = torch.arange(len(slots), device=slots.device)
+        context[rows, :, plan.decode_staged] = new[0, :, plan.decode_tokens].transpose(0, 1).float()
+        return context
+
+    def _reference(self, plan: StepPlan, row: int, token: int, query, context, scale,
+                   output) -> None:
+        """One decode row through the reference path."""
+        pages = plan.table[row, : int(plan.counts[row])].tolist()
+        used = int(plan.spans[row, 3])
+        keys, values = (c[row : row + 1, :, :used] for c in context)
+        history = self._history(pages, int(plan.decode_first[row]), keys.dtype)
+        keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, (keys, values),
+                                                                   strict=True))
+        out = sdpa(query[:, :, token : token + 1].float(), keys, values, scale)
+        output[token] = out[0, :, 0].to(output.dtype)
+
+    def _chunk(self, chunk: Chunk, query, key, value, scale: float, output) -> None:
+        """A row of several new tokens: its decoded pages, staged tokens and the chunk, causal."""
+        new = slice(chunk.start, chunk.stop)
+        keys, values = (x[:, :, new].float() for x in (key, value))
+        if chunk.staged:
+            staged = [s[chunk.slot : chunk.slot + 1, :, : chunk.staged].float()
+                      for s in (self.staged_keys, self.staged_values)]
+            keys, values = torch.cat([staged[0], keys], -2), torch.cat([staged[1], values], -2)
+        if chunk.pages:
+            history = self._history(chunk.pages, chunk.first, torch.float32)
+            keys, values = torch.cat([history[0], keys], -2), torch.cat([history[1], values], -2)
+        out = sdpa(query[:, :, new].float(), keys, values, scale)  # [1, Hq, n, D]
+        output[new] = out[0].transpose(0, 1).to(output.dtype)
+
+    def _history(self, pages: list[int], first: int, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A row's pages decoded: keys, values [1, H, n·G, D]."""
+        if not pages:
+            empty = self.staged_keys.new_zeros(1, self.staged_keys.shape[1], 0,
+                                               self.staged_keys.shape[-1], dtype=dtype)
+            return empty, empty
+        index = torch.tensor(pages, device=self.staged_keys.device)
+        blocks = map_tensors(self.pages.blocks, lambda t: t.index_select(0, index).unsqueeze(0))
+        keys, values = self.method.decode(blocks, self.layer, self._selection([first]), dtype)
+        return tuple(x.transpose(1, 2).flatten(2, 3) for x in (keys, values))
+
+    def _selection(self, pages: list[int] | torch.Tensor) -> Any:
+        """The selection stored in ``pages`` (batch dimension: one per page), or None."""
+        if self.pages.selection is None:
+            return None
+        index = torch.as_tensor(pages, device=self.staged_keys.device)
+        return map_tensors(self.pages.selection, lambda t: t.index_select(0, index))
+
+    def _pool_view(self, plan: StepPlan) -> batch.PoolView:
+        """The pool as the op reads it, with each decode row's selection (rebuilt only when the
+        rows' first pages change)."""
+        key = None if self.pages.selection is None else tuple(plan.decode_first.tolist())
+        if self._views[0] != key or self._views[1] is None:
+            pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))
+            selections = [None] if key is None else [self._selection([page]) for page in key]
+            self._views = key, batch.build_pool_view(self.method, self.layer, pool, selections)
+        return self._views[1]
+
+    # -- seal and stage ------------------------------------------------------------------------
+
+    def _seal(self, plan: StepPlan, query, key, value) -> None:
+        """Encode every group completed this step into its page, in one call."""
+        groups = [self._groups(plan, new, staged) for new, staged in
+                  ((key, self.staged_keys), (value, self.staged_values))]
+        if self.pages.selection is not None:
+            self._select(plan, query, *groups)
+        selection = self._selection(plan.seal_first) if self.pages.selection is not None \
+            else None
+        state = Blocks(*self.method.encode(*groups, self.layer, selection))
+        targets = [t for _, t in tagged_tensors(self.pages.blocks, "")]
+        for target, source in zip(targets, (t for _, t in tagged_tensors(state, "")),
+                                  strict=True):
+            target.index_copy_(0, plan.seal_pages, source.to(target.dtype))
+
+    def _groups(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+        """The sealed groups' tokens, staged and new: [E, H, G, D] in the model's dtype."""
+        E, (_, H, G, D) = plan.sealed, staged.shape
+        groups = new.new_zeros(E, H, G, D, dtype=self.dtype)
+        groups[plan.carry_entries, :, plan.carry_offsets] = \
+            staged[plan.carry_slots, :, plan.carry_offsets].to(self.dtype)
+        groups[plan.seal_entries, :, plan.seal_offsets] = \
+            new[0, :, plan.seal_tokens].transpose(0, 1).to(self.dtype)
+        return groups
+
+    def _select(self, plan: StepPlan, query: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> None:
+        """Selections of the rows whose first group is sealed now, into their first pages."""
+        sums = self._first_group_sums(plan, query)
+        if not plan.first.any():
+            return
+        first = plan.first.nonzero().flatten()
+        tokens = torch.full((len(first),), float(self.method.group))
+        chosen = self.method.select_from(None if sums is None else sums[first], tokens,
+                                         keys[first], self.layer, values[first])
+        pages = plan.seal_pages[first]
+        for target, source in zip((t for _, t in tagged_tensors(self.pages.selection, "")),
+                                  (t for _, t in tagged_tensors(chosen, "")), strict=True):
+            target.index_copy_(0, pages, source.to(target.dtype))
+
+    def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
+        """Query sums of first groups: new tokens' added to their slots (restarted where a
+        group opens); per sealed group [E, H, C], its slot's and its new tokens'."""
+        if self.sums is None:
+            return None
+        self.sums.index_fill_(0, plan.new_slots, 0.0)
+        new = self.method.query_sums(query[0, :, plan.sum_tokens].transpose(0, 1).unsqueeze(2))
+        sealed = self.sums.new_zeros(plan.sealed, *self.sums.shape[1:])
+        sealed.index_add_(0, plan.sum_rows[plan.sum_sealed], new[plan.sum_sealed])
+        carried = plan.carry_sums >= 0
+        firsts = plan.first.nonzero().flatten()[carried]
+        sealed[firsts] += self.sums[plan.carry_sums[carried]]
+        self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])
+        return sealed
+
+    def _stage(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
+        """The new tokens of groups still open into their slots."""
+        for new, staged in ((key, self.staged_keys), (value, self.staged_values)):
+            staged[plan.staged_slots, :, plan.staged_offsets] = \
+                new[0, :, plan.staged_tokens].transpose(0, 1).to(staged.dtype)
+
+
+def _fused(method: Method, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether decode rows go through kvmix's fused CPU op (else the reference path)."""
+    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
+    if not reason and method.fast_path.startswith("reference only"):
+        reason = f"{method.name} has no fused decode path in kvmix"
+    if not reason and not method.quantizes and dtype != torch.float32:
+        reason = f"float pages of {dtype} (the op reads float32)"
+    if reason:
+        logger.warning("kvmix: decode through the reference path: %s", reason)
+    return not reason

@@ -1,0 +1,266 @@
+"""One vLLM step for every layer: where each new token goes, which groups it seals, what each
+row attends to — planned once on the host (numpy, no loop over requests) by the backend's
+metadata builder and read by every layer.
+
+Per row (a request in the step) with ``c`` tokens computed before and ``n`` new ones, and
+``G`` tokens per group:
+
+* its history is the pages of its groups ``0 .. c // G - 1``, sealed in earlier steps, found
+  through vLLM's block table;
+* the ``c % G`` tokens of its open group wait as floats in a staging slot (``Staging``), found
+  by the open group's page;
+* every group the new tokens complete is sealed this step: its staged tokens and its new ones
+  gathered into one float group, all rows' groups encoded in one call;
+* the new tokens of a group still open go to its staging slot.
+
+A row's first group also decides its selection (PN-Mix's pairs, ...): the query sums of its
+tokens are kept with the slot until the group is sealed (``query_sums``), and a row's later
+groups copy the selection from its first page.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+class StagingLost(RuntimeError):
+    """A running request's open group is no longer staged (see ``Staging.take``)."""
+
+
+class Staging:
+    """Which staging slot holds the open group of which page: ``slots`` slots, one per running
+    sequence (vLLM runs at most ``max_num_seqs``), and per page its slot (-1: none).
+
+    A slot is taken when a group opens and given back when it is sealed. A request that ends
+    (or is preempted) with an open group leaves its slot behind: it is given back when its page
+    is used again, or, when every slot is taken, the slot no row of the step uses that was used
+    longest ago is reclaimed. A row that then finds its open group gone raises ``StagingLost``
+    (it never attends to another sequence's tokens)."""
+
+    def __init__(self, slots: int, pages: int = 0):
+        self.slots = slots
+        self.page_of = np.full(slots, -1, dtype=np.int64)  # per slot: its page, -1: free
+        self.slot_of = np.full(pages, -1, dtype=np.int64)  # per page: its slot, -1: none
+        self.used = np.zeros(slots, dtype=np.int64)  # per slot: the last step that used it
+        self.step = 0
+
+    def find(self, pages: np.ndarray) -> np.ndarray:
+        """The slot of each page's open group (-1: none)."""
+        self._cover(pages)
+        return self.slot_of[pages]
+
+    def take(self, pages: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """Slots for groups opening at ``pages`` (a page's old slot if it still has one);
+        ``keep``: slots this step reads, never reclaimed."""
+        slots = self.find(pages)
+        need = int((slots < 0).sum())
+        free = np.flatnonzero(self.page_of < 0)
+        if len(free) < need:
+            free = np.concatenate([free, self._reclaim(need - len(free), keep, slots)])
+        slots[slots < 0] = free[:need]
+        self.page_of[slots] = pages
+        self.slot_of[pages] = slots
+        return slots
+
+    def give_back(self, pages: np.ndarray) -> None:
+        """The groups of ``pages`` are sealed: their slots are free."""
+        slots = self.find(pages)
+        self.page_of[slots[slots >= 0]] = -1
+        self.slot_of[pages] = -1
+
+    def touch(self, slots: np.ndarray) -> None:
+        self.step += 1
+        self.used[slots[slots >= 0]] = self.step
+
+    def _cover(self, pages: np.ndarray) -> None:
+        top = int(pages.max(initial=-1)) + 1
+        if top > len(self.slot_of):
+            grown = np.full(max(top, 2 * len(self.slot_of)), -1, dtype=np.int64)
+            grown[: len(self.slot_of)] = self.slot_of
+            self.slot_of = grown
+
+    def _reclaim(self, count: int, keep: np.ndarray, taking: np.ndarray) -> np.ndarray:
+        held = np.flatnonzero(self.page_of >= 0)
+        held = held[~np.isin(held, np.concatenate([keep, taking]))]
+        if len(held) < count:
+            raise StagingLost(f"kvmix: {count} more open groups than staging slots "
+                              f"({self.slots}, one per running sequence): raise max_num_seqs")
+        oldest = held[np.argsort(self.used[held], kind="stable")[:count]]
+        self.give_back(self.page_of[oldest])
+        return oldest
+
+
+@dataclass
+class StepPlan:
+    """Index tensors every layer of a step reads (int64, on the cache's device).
+
+    Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
+    open group go to ``staged_slots`` at ``staged_offsets``; those of a group sealed now to
+    entry ``seal_entries`` of the seal buffer [E, H, G, D] at ``seal_offsets``, joined by the
+    staged tokens ``carry_slots`` / ``carry_offsets`` (into ``carry_entries``).
+    Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
+    [E] (True where the group is its row's first: it selects).
+    Decode rows (one new token each: the batched kernel): ``decode_tokens``, ``decode_slots``
+    (-1: nothing staged), ``decode_staged`` [Rd] tokens staged before, ``table``, ``held``
+    [Rd, M] and ``counts`` [Rd] the pages of their history, ``spans`` [Rd, 4].
+    Longer rows (prefill chunks): ``chunks``, on the host.
+    """
+
+    group: int
+    staged_tokens: torch.Tensor
+    staged_slots: torch.Tensor
+    staged_offsets: torch.Tensor
+    seal_tokens: torch.Tensor
+    seal_entries: torch.Tensor
+    seal_offsets: torch.Tensor
+    carry_entries: torch.Tensor
+    carry_slots: torch.Tensor
+    carry_offsets: torch.Tensor
+    seal_pages: torch.Tensor
+    seal_first: torch.Tensor
+    first: torch.Tensor
+    new_slots: torch.Tensor  # slots whose group opens this step (their query sums restart)
+    sum_rows: torch.Tensor  # per new token of a first group: its slot, or its seal entry
+    sum_tokens: torch.Tensor
+    sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
+    carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
+    decode_tokens: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_staged: torch.Tensor
+    decode_first: torch.Tensor  # [Rd] each decode row's first page (its selection)
+    table: torch.Tensor
+    held: torch.Tensor
+    counts: torch.Tensor
+    spans: torch.Tensor  # [Rd, 4] what the decode kernel reads of its float context
+    chunks: list[Chunk]
+
+    @property
+    def sealed(self) -> int:
+        return self.seal_pages.numel()
+
+
+@dataclass
+class Chunk:
+    """A row with several new tokens: ``tokens`` [start, stop) of the step, its history pages
+    (host list), its first page, its staged tokens and their slot (-1: none)."""
+
+    start: int
+    stop: int
+    pages: list[int]
+    first: int
+    slot: int
+    staged: int
+
+
+def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
+              lengths: np.ndarray, block_table: np.ndarray, device: torch.device) -> StepPlan:
+    """The plan of one step. starts [R + 1]: each row's first token (vLLM's query_start_loc);
+    lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W]."""
+    G, per_block = group, block_size // group
+    new = np.diff(starts)  # [R]
+    before = lengths - new  # c
+    rows = len(new)
+    opened, done = before // G, lengths // G  # first open group, groups complete after
+    staged = before % G  # o
+
+    def page(row: np.ndarray, g: np.ndarray) -> np.ndarray:
+        tokens = g * G
+        return block_table[row, tokens // block_size] * per_block + (tokens % block_size) // G
+
+    every = np.arange(rows)
+    staged_slots = np.full(rows, -1, dtype=np.int64)
+    has = staged > 0
+    staged_slots[has] = staging.find(page(every[has], opened[has]))
+    lost = has & (staged_slots < 0)
+    if lost.any():
+        raise StagingLost(f"kvmix: the open group of {int(lost.sum())} running request(s) was "
+                          "reclaimed while they were not scheduled; raise max_num_seqs")
+    # groups sealed this step: entries (row, g) for g in [opened, done)
+    count = done - opened
+    entry_row = np.repeat(every, count)
+    entry_start = np.concatenate([[0], np.cumsum(count)])
+    entry_g = opened[entry_row] + (np.arange(count.sum()) - entry_start[entry_row])
+    seal_pages = page(entry_row, entry_g)
+    # groups still open after the step
+    tail = lengths % G > 0
+    continuing = tail & (count == 0) & has
+    opening = tail & ~continuing
+    final_slots = staged_slots.copy()
+    final_slots[~tail] = -1
+    opening_pages = page(every[opening], done[opening])
+    final_slots[opening] = staging.take(opening_pages, keep=staged_slots[has])
+    staging.touch(np.concatenate([staged_slots, final_slots]))
+    # tokens
+    token_row = np.repeat(every, new)
+    position = before[token_row] + np.arange(len(token_row)) - starts[token_row]
+    token_g, offset = position // G, position % G
+    sealing = token_g < done[token_row]
+    token_entry = entry_start[token_row] + token_g - opened[token_row]
+    carried = has & (count > 0)  # staged tokens that join a sealed group
+    carry_row = np.repeat(every[carried], staged[carried])
+    carry_offset = np.arange(len(carry_row)) - np.repeat(
+        np.concatenate([[0], np.cumsum(staged[carried])])[:-1], staged[carried])
+    first_group = token_g == 0
+    entry_first = entry_g == 0
+    carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
+    staging.give_back(seal_pages)  # the staged groups sealed, and stale slots of ended requests
+    decode = new == 1
+    plan = _Builder(device)
+    return StepPlan(
+        group=G,
+        staged_tokens=plan(np.flatnonzero(~sealing)),
+        staged_slots=plan(final_slots[token_row[~sealing]]),
+        staged_offsets=plan(offset[~sealing]),
+        seal_tokens=plan(np.flatnonzero(sealing)),
+        seal_entries=plan(token_entry[sealing]),
+        seal_offsets=plan(offset[sealing]),
+        carry_entries=plan(entry_start[carry_row]),
+        carry_slots=plan(staged_slots[carry_row]),
+        carry_offsets=plan(carry_offset),
+        seal_pages=plan(seal_pages),
+        seal_first=plan(page(entry_row, np.zeros_like(entry_row))),
+        first=plan(entry_first, torch.bool),
+        new_slots=plan(final_slots[opening]),
+        sum_rows=plan(np.where(sealing, token_entry, final_slots[token_row])[first_group]),
+        sum_tokens=plan(np.flatnonzero(first_group)),
+        sum_sealed=plan(sealing[first_group], torch.bool),
+        carry_sums=plan(carry_sums[entry_first]),
+        decode_tokens=plan(starts[:-1][decode]),
+        decode_slots=plan(staged_slots[decode]),
+        decode_staged=plan(staged[decode]),
+        decode_first=plan(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))),
+        **_history(plan, page, every[decode], opened[decode], G, staged[decode]),
+        chunks=[Chunk(int(starts[r]), int(starts[r + 1]), page(np.full(opened[r], r),
+                                                               np.arange(opened[r])).tolist(),
+                      int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
+                      int(staged[r])) for r in np.flatnonzero(~decode)],
+    )
+
+
+def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int,
+             staged: np.ndarray) -> dict[str, torch.Tensor]:
+    """The decode rows' block table: pages of groups [0, opened) padded with page 0, and the
+    float context each reads (its staged tokens, then its new one)."""
+    width = max(int(opened.max(initial=0)), 1)
+    grid = np.broadcast_to(np.arange(width), (len(rows), width))
+    valid = grid < opened[:, None]
+    table = np.where(valid, page(np.repeat(rows[:, None], width, 1), np.where(valid, grid, 0)),
+                     0)
+    spans = np.zeros((len(rows), 4), dtype=np.int64)
+    spans[:, 3] = staged + 1
+    return {"table": plan(table), "held": plan(valid * G), "counts": plan(opened),
+            "spans": plan(spans)}
+
+
+class _Builder:
+    """numpy -> torch int64 (or ``dtype``) on the device."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __call__(self, values: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(dtype)
+        return host.to(self.device, non_blocking=True)

@@ -1,0 +1,120 @@
+"""What ``--additional-config '{"kvmix": ...}'`` asks for, checked against vLLM's configuration
+before the engine starts: a bound method, the staging dtype and the layout inside vLLM.
+
+Inside vLLM a block is one kvmix group: vLLM fills a block token by token and may hand a full
+block to another request through its prefix cache, so a group is sealed into its block the step
+it fills, and every sealed block holds codes only. The float tail is the open group of each
+running sequence (its "staging"), and there is no float sink: a method runs with ``sink=0`` and
+``residual=group`` (what kvmix's own cache calls the layout; a method string that asks for
+another sink or residual is refused). Per-sequence choices (PN-Mix's pairs, Kitty's and
+ChanMix's channels) are made from the sequence's first group, its first ``group`` tokens, so a
+shared prefix's blocks carry the same choice whichever request sealed them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvmix.methods import Method, ModelSpec, parse_method
+from kvmix.models.rope import config_rope_pairs
+from kvmix.runtime.cache import model_spec
+
+KEY = "kvmix"  # the key of --additional-config
+STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+           "auto": None}  # auto: the model's dtype
+FIELDS = ("method", "staging")
+# Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
+SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
+FOLDED_KEY = "kvmix_folded"  # written into config.json by `kvmix export --transforms`
+
+
+class Refused(ValueError):
+    """A setting kvmix cannot honour inside vLLM, named before the engine starts."""
+
+
+@dataclass(frozen=True, eq=False)
+class Settings:
+    """A resolved kvmix configuration: the method bound to the model (with the layout above),
+    the dtype of the float staging, and the method string as given."""
+
+    method: Method
+    staging: torch.dtype
+    text: str
+    spec: ModelSpec
+    dtype: torch.dtype  # the model's
+
+    @property
+    def group(self) -> int:
+        return self.method.group
+
+
+def requested(vllm_config: Any) -> dict[str, Any] | None:
+    """The kvmix entry of vLLM's additional config ({"method": ..., "staging": ...}), or None."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(KEY) if isinstance(extra, dict) else None
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = {"method": raw}
+    if not isinstance(raw, dict) or "method" not in raw:
+        raise Refused(f'--additional-config {{"{KEY}": ...}} must be a method string or '
+                      f'{{"method": "...", "staging": "float16"}}; got {raw!r}')
+    unknown = sorted(set(raw) - set(FIELDS))
+    if unknown:
+        raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
+    return raw
+
+
+def resolve(vllm_config: Any) -> Settings | None:
+    """The kvmix settings of a vLLM configuration, or None where kvmix is not asked for;
+    ``Refused`` naming what cannot be honoured."""
+    raw = requested(vllm_config)
+    if raw is None:
+        return None
+    text = str(raw["method"])
+    method = laid_out(parse_method(text), text)
+    model_config = vllm_config.model_config
+    dtype = model_config.dtype
+    staging = _staging(raw.get("staging", "auto" if not method.quantizes else "float16"), dtype)
+    hf_config = model_config.hf_config
+    folded = getattr(hf_config, FOLDED_KEY, None) or {}
+    spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
+    if folded.get("model"):
+        spec = dataclasses.replace(spec, name=folded["model"])
+    try:
+        method.bind(spec)
+    except ValueError as error:
+        raise Refused(f"kvmix method {text!r} on this model: {error}") from error
+    return Settings(method, staging, text, spec, dtype)
+
+
+def laid_out(method: Method, text: str) -> Method:
+    """``method`` with the layout vLLM's blocks allow (no sink, the open group as residual);
+    ``Refused`` for a method the plugin does not serve or a layout the string asks for."""
+    if method.name not in SERVED:
+        raise Refused(f"kvmix method {method.name!r} is not served inside vLLM; served: "
+                      f"{', '.join(SERVED)} (and their presets)")
+    asked = _overrides(text)
+    if asked.get("sink", 0) not in (0, "0"):
+        raise Refused(f"sink={asked['sink']} cannot be honoured inside vLLM: a block vLLM's "
+                      "prefix cache shares holds codes only, so there is no float sink (sink=0)")
+    if "residual" in asked and int(asked["residual"]) != method.group:
+        raise Refused(f"residual={asked['residual']} cannot be honoured inside vLLM: the float "
+                      f"tail is the open group (residual=group={method.group})")
+    return dataclasses.replace(method, sink=0, residual=method.group)
+
+
+def _overrides(text: str) -> dict[str, str]:
+    _, _, rest = text.partition(":")
+    pairs = (item.partition("=") for item in rest.split(",") if "=" in item)
+    return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def _staging(name: Any, dtype: torch.dtype) -> torch.dtype:
+    if name not in STAGING:
+        raise Refused(f"staging={name!r} is invalid; valid: {', '.join(STAGING)}")
+    return STAGING[name] or dtype
