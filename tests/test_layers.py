@@ -10,8 +10,11 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvmix"
-LAYERS = ("core", "methods", "models", "runtime", "evaluation", "serving", "commands", "cli")
+LAYERS = ("core", "methods", "models", "runtime", "vllm", "evaluation", "serving", "commands",
+          "cli")
+PLUGIN = "vllm"  # vLLM's entry point loads it; no kvmix module imports it
 TRANSFORMERS_ALLOWED = ("models/loading.py", "runtime/", "serving/")
+VLLM_ALLOWED = ("vllm/",)
 MODULES = sorted(p for p in PACKAGE.rglob("*.py") if p != PACKAGE / "__init__.py")
 
 
@@ -60,3 +63,12 @@ def test_the_checker_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from kvmix.commands.compare import run_compare\n")
     assert "kvmix.commands.compare" in imported(bad)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_only_the_plugin_imports_vllm_and_nothing_imports_the_plugin(path):
+    relative = str(path.relative_to(PACKAGE))
+    names = imported(path)
+    if not relative.startswith(VLLM_ALLOWED):
+        assert not any(n.split(".")[0] == "vllm" for n in names), relative
+        assert not any(n.startswith(f"kvmix.{PLUGIN}") for n in names), relative

@@ -188,3 +188,30 @@ def drop_gguf_marker(model) -> None:
         model.hf_quantizer = None
         model.is_quantized = False
         del model.config.quantization_config
+
+def config_rope_pairs(config: Any) -> torch.Tensor | None:
+    """``rope_pairs`` of the model a transformers config describes, read from that model's own
+    rotary embedding (built alone: no weights) — for engines that run the model themselves."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from kvmix.models.rope import rope_pairs
+
+    text = config.get_text_config(decoder=True)
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping and type(text) not in mapping:
+        return None
+    module = sys.modules[mapping[type(config) if type(config) in mapping else type(text)]
+                        .__module__]
+    rotary = next((getattr(module, name) for name in dir(module)
+                   if name.endswith("RotaryEmbedding")), None)
+    if rotary is None:
+        return None
+
+    class Holder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rotary = rotary(config=text)
+
+    return rope_pairs(Holder())

@@ -3,13 +3,13 @@ float staging of each running sequence's open group, and a step's work on them.
 
 A step (``StepPlan``, planned once for every layer) runs in three parts:
 
-1. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op over vLLM's
-   block table, their float context the staged tokens and the new one; longer rows (prefill
-   chunks) through the reference path: their pages decoded, then causal SDPA over history,
-   staged tokens and the chunk;
-2. seal — every group completed this step (staged tokens and new ones) encoded in one
+1. seal — every group completed this step (staged tokens and new ones) encoded in one
    ``encode`` call and written into its page; a row's first group first picks the row's
    selection from its tokens' queries and keys, later groups copy it from the first page;
+2. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op over vLLM's
+   block table, their float context the staged tokens and the new one; longer rows (prefill
+   chunks) through the reference path: each token over the packed groups before its own
+   (decoded pages) and its own group's floats, as a decode at its position would see them;
 3. stage — the new tokens of groups still open written to their staging slots.
 """
 
@@ -77,12 +77,13 @@ class LayerCache:
         query = self._heads_first(query, self.method.transform_queries)  # [1, Hq, N, D]
         key = self._heads_first(key, self.method.transform_keys)  # [1, H, N, D]
         value = value.transpose(0, 1).unsqueeze(0)
+        sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
+        if plan.sealed:
+            self._seal(plan, key, value, sums)
         if plan.decode_tokens.numel():
             self._decode(plan, query, key, value, scale, output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, key, value, scale, output)
-        if plan.sealed:
-            self._seal(plan, query, key, value)
         self._stage(plan, key, value)
 
     def _heads_first(self, x: torch.Tensor, transform) -> torch.Tensor:
@@ -127,17 +128,26 @@ class LayerCache:
         output[token] = out[0, :, 0].to(output.dtype)
 
     def _chunk(self, chunk: Chunk, query, key, value, scale: float, output) -> None:
-        """A row of several new tokens: its decoded pages, staged tokens and the chunk, causal."""
+        """A row of several new tokens: each sees the groups before its own packed (decoded
+        pages) and its own group's tokens up to it as floats (staged, then the chunk's)."""
+        G, n = self.method.group, chunk.stop - chunk.start
         new = slice(chunk.start, chunk.stop)
         keys, values = (x[:, :, new].float() for x in (key, value))
-        if chunk.staged:
-            staged = [s[chunk.slot : chunk.slot + 1, :, : chunk.staged].float()
-                      for s in (self.staged_keys, self.staged_values)]
-            keys, values = torch.cat([staged[0], keys], -2), torch.cat([staged[1], values], -2)
-        if chunk.pages:
-            history = self._history(chunk.pages, chunk.first, torch.float32)
-            keys, values = torch.cat([history[0], keys], -2), torch.cat([history[1], values], -2)
-        out = sdpa(query[:, :, new].float(), keys, values, scale)  # [1, Hq, n, D]
+        staged = chunk.before % G
+        if staged:
+            held = [s[chunk.slot : chunk.slot + 1, :, :staged].float()
+                    for s in (self.staged_keys, self.staged_values)]
+            keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
+        history = self._history(chunk.pages, chunk.first, torch.float32)
+        keys, values = torch.cat([history[0], keys], -2), torch.cat([history[1], values], -2)
+        device = keys.device
+        position = torch.arange(chunk.before, chunk.before + n, device=device)[:, None]  # [n, 1]
+        own = position // G
+        packed = torch.arange(len(chunk.pages) * G, device=device) // G < own  # [n, P·G]
+        floats = torch.arange(chunk.before - staged, chunk.before + n, device=device)
+        exact = (floats >= own * G) & (floats <= position)  # [n, o + n]
+        mask = torch.cat([packed, exact], 1)
+        out = sdpa(query[:, :, new].float(), keys, values, scale, mask)  # [1, Hq, n, D]
         output[new] = out[0].transpose(0, 1).to(output.dtype)
 
     def _history(self, pages: list[int], first: int, dtype: torch.dtype
@@ -171,19 +181,17 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
-    def _seal(self, plan: StepPlan, query, key, value) -> None:
+    def _seal(self, plan: StepPlan, key, value, sums: torch.Tensor | None) -> None:
         """Encode every group completed this step into its page, in one call."""
         groups = [self._groups(plan, new, staged) for new, staged in
                   ((key, self.staged_keys), (value, self.staged_values))]
+        selection = None
         if self.pages.selection is not None:
-            self._select(plan, query, *groups)
-        selection = self._selection(plan.seal_first) if self.pages.selection is not None \
-            else None
-        state = Blocks(*self.method.encode(*groups, self.layer, selection))
-        targets = [t for _, t in tagged_tensors(self.pages.blocks, "")]
-        for target, source in zip(targets, (t for _, t in tagged_tensors(state, "")),
-                                  strict=True):
-            target.index_copy_(0, plan.seal_pages, source.to(target.dtype))
+            self._select(plan, sums, *groups)
+            selection = self._selection(plan.seal_first)
+            _write(self.pages.selection, selection, plan.seal_pages)  # each page self-describing
+        _write(self.pages.blocks, Blocks(*self.method.encode(*groups, self.layer, selection)),
+               plan.seal_pages)
 
     def _groups(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: [E, H, G, D] in the model's dtype."""
@@ -195,33 +203,30 @@ class LayerCache:
             new[0, :, plan.seal_tokens].transpose(0, 1).to(self.dtype)
         return groups
 
-    def _select(self, plan: StepPlan, query: torch.Tensor, keys: torch.Tensor,
+    def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
                 values: torch.Tensor) -> None:
         """Selections of the rows whose first group is sealed now, into their first pages."""
-        sums = self._first_group_sums(plan, query)
         if not plan.first.any():
             return
         first = plan.first.nonzero().flatten()
         tokens = torch.full((len(first),), float(self.method.group))
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer, values[first])
-        pages = plan.seal_pages[first]
-        for target, source in zip((t for _, t in tagged_tensors(self.pages.selection, "")),
-                                  (t for _, t in tagged_tensors(chosen, "")), strict=True):
-            target.index_copy_(0, pages, source.to(target.dtype))
+        _write(self.pages.selection, chosen, plan.seal_pages[first])
 
     def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
-        """Query sums of first groups: new tokens' added to their slots (restarted where a
-        group opens); per sealed group [E, H, C], its slot's and its new tokens'."""
+        """Query sums of first groups: per sealed group [E, H, C], its slot's and its new
+        tokens'; the new tokens of first groups still open added to their slots (restarted
+        where a group opens: a slot sealed now may open another row's group)."""
         if self.sums is None:
             return None
-        self.sums.index_fill_(0, plan.new_slots, 0.0)
         new = self.method.query_sums(query[0, :, plan.sum_tokens].transpose(0, 1).unsqueeze(2))
         sealed = self.sums.new_zeros(plan.sealed, *self.sums.shape[1:])
         sealed.index_add_(0, plan.sum_rows[plan.sum_sealed], new[plan.sum_sealed])
         carried = plan.carry_sums >= 0
         firsts = plan.first.nonzero().flatten()[carried]
         sealed[firsts] += self.sums[plan.carry_sums[carried]]
+        self.sums.index_fill_(0, plan.new_slots, 0.0)
         self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])
         return sealed
 
@@ -230,6 +235,13 @@ class LayerCache:
         for new, staged in ((key, self.staged_keys), (value, self.staged_values)):
             staged[plan.staged_slots, :, plan.staged_offsets] = \
                 new[0, :, plan.staged_tokens].transpose(0, 1).to(staged.dtype)
+
+
+def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
+    """``state`` (tensors [E, ...]) into entries ``index`` of ``pages``, tensor by tensor."""
+    for target, source in zip((t for _, t in tagged_tensors(pages, "")),
+                              (t for _, t in tagged_tensors(state, "")), strict=True):
+        target.index_copy_(0, index, source.to(target.dtype))
 
 
 def _fused(method: Method, head_dim: int, dtype: torch.dtype) -> bool:

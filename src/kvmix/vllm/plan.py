@@ -13,6 +13,11 @@ Per row (a request in the step) with ``c`` tokens computed before and ``n`` new 
   gathered into one float group, all rows' groups encoded in one call;
 * the new tokens of a group still open go to its staging slot.
 
+Each new token attends as a decode at its position would: to the groups before its own, packed
+(sealed earlier or in this step), and to its own group's tokens up to it, as floats. A prompt's
+outputs then do not depend on how vLLM chunks it, on how much of it came from the prefix cache,
+or on a preemption's recomputation.
+
 A row's first group also decides its selection (PN-Mix's pairs, ...): the query sums of its
 tokens are kept with the slot until the group is sealed (``query_sums``), and a row's later
 groups copy the selection from its first page.
@@ -144,15 +149,16 @@ class StepPlan:
 
 @dataclass
 class Chunk:
-    """A row with several new tokens: ``tokens`` [start, stop) of the step, its history pages
-    (host list), its first page, its staged tokens and their slot (-1: none)."""
+    """A row with several new tokens: tokens [start, stop) of the step, ``before`` tokens held
+    before it, the pages of every group complete after the step (host list, those sealed this
+    step included), its first page, and the slot of its staged tokens (-1: none)."""
 
     start: int
     stop: int
+    before: int
     pages: list[int]
     first: int
     slot: int
-    staged: int
 
 
 def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
@@ -190,8 +196,11 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     opening = tail & ~continuing
     final_slots = staged_slots.copy()
     final_slots[~tail] = -1
+    # the slots of groups sealed now are free for groups opening now (a layer reads every
+    # staged token before it stages new ones), and stale slots of ended requests go back too
+    staging.give_back(seal_pages)
     opening_pages = page(every[opening], done[opening])
-    final_slots[opening] = staging.take(opening_pages, keep=staged_slots[has])
+    final_slots[opening] = staging.take(opening_pages, keep=staged_slots[continuing])
     staging.touch(np.concatenate([staged_slots, final_slots]))
     # tokens
     token_row = np.repeat(every, new)
@@ -206,7 +215,6 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     first_group = token_g == 0
     entry_first = entry_g == 0
     carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
-    staging.give_back(seal_pages)  # the staged groups sealed, and stale slots of ended requests
     decode = new == 1
     plan = _Builder(device)
     return StepPlan(
@@ -233,10 +241,10 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         decode_staged=plan(staged[decode]),
         decode_first=plan(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))),
         **_history(plan, page, every[decode], opened[decode], G, staged[decode]),
-        chunks=[Chunk(int(starts[r]), int(starts[r + 1]), page(np.full(opened[r], r),
-                                                               np.arange(opened[r])).tolist(),
-                      int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
-                      int(staged[r])) for r in np.flatnonzero(~decode)],
+        chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
+                      page(np.full(done[r], r), np.arange(done[r])).tolist(),
+                      int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]))
+                for r in np.flatnonzero(~decode)],
     )
 
 

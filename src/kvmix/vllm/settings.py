@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvmix.methods import Method, ModelSpec, parse_method
-from kvmix.models.rope import config_rope_pairs
+from kvmix.models.loading import config_rope_pairs
 from kvmix.runtime.cache import model_spec
 
 KEY = "kvmix"  # the key of --additional-config

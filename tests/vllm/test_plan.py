@@ -1,0 +1,222 @@
+"""The plugin's step without an engine: a scheduler's steps (prefill chunks, decodes, groups
+sealed by either, several rows, a block table out of order) driven through ``plan_step`` and one
+``LayerCache``, checked against kvmix's methods called directly — the codes in every page are
+the method's ``encode`` of that group (the selection its ``select`` makes from the first
+group's queries), and every token's output is attention over the decoded pages and the exact
+float tail."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import TINY
+from helpers import HQ, PAIRS, D, H, assert_near, method_string, op_tolerance
+from transformers import LlamaConfig
+
+from kvmix.core.tree import combine, map_tensors, tagged_tensors
+from kvmix.methods import Blocks, parse_method
+from kvmix.runtime.cache import model_spec
+from kvmix.vllm.layer import LayerCache
+from kvmix.vllm.pages import layout
+from kvmix.vllm.plan import Staging, StagingLost, plan_step
+from kvmix.vllm.settings import Refused, Settings, laid_out
+
+G, BLOCK, LAYER, BLOCKS = 8, 16, 1, 12
+# new tokens per step of three sequences (0: not in that step): chunks that end mid-group and
+# on a group's end, decodes that seal, a chunk that carries staged tokens across two groups
+SCHEDULE = [[11, 3, 0], [6, 1, 5], [1, 1, 16], [1, 1, 1], [1, 1, 1], [1, 1, 0], [5, 0, 1],
+            [1, 0, 0]]
+SEQUENCES = len(SCHEDULE[0])
+METHODS = ["full", "kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "kxvy:rotate=keys",
+           "pnmix1", "kitty", "chanmix", "wush", "ggml-k8v4"]
+
+
+def settings_for(name: str, staging: torch.dtype = torch.float32) -> Settings:
+    per_token = name.startswith("ggml")
+    text = name if per_token else method_string(name, sink=0, residual=G, group=G)
+    method = laid_out(parse_method(text), text)
+    config = LlamaConfig(**TINY)
+    fold = method.value_fold(model_spec(config))
+    spec = model_spec(config, PAIRS, None, fold[1] if fold else None)
+    method.bind(spec)
+    return Settings(method, staging, text, spec, torch.float32)
+
+
+class Run:
+    """Random queries, keys, values of each sequence, fed to a ``LayerCache`` step by step."""
+
+    def __init__(self, settings: Settings, seed: int = 0):
+        self.settings, self.method = settings, settings.method
+        lengths = np.array(SCHEDULE).sum(0)
+        g = torch.Generator().manual_seed(seed)
+        self.q = [torch.randn(n, HQ, D, generator=g) for n in lengths]  # [T, Hq, D]
+        self.k = [torch.randn(n, H, D, generator=g) * 3 + 1 for n in lengths]
+        self.v = [torch.randn(n, H, D, generator=g) for n in lengths]
+        order = torch.randperm(BLOCKS, generator=g).numpy()  # blocks handed out of order
+        need = -(-lengths // BLOCK)
+        self.table = np.zeros((SEQUENCES, need.max()), dtype=np.int64)
+        taken = 0
+        for s, n in enumerate(need):
+            self.table[s, :n] = order[taken : taken + n]
+            taken += n
+        self.cache = LayerCache(settings, LAYER, torch.float32, SEQUENCES, BLOCK,
+                                torch.device("cpu"))
+        page = max(layout(self.method, settings.spec, layer, torch.float32).page_bytes
+                   for layer in range(settings.spec.n_layers))
+        self.cache.bind(torch.zeros(BLOCKS, BLOCK // self.method.group * page,
+                                    dtype=torch.uint8))
+        self.staging = Staging(SEQUENCES)
+        self.outputs = [torch.zeros(n, HQ, D) for n in lengths]  # each token's attention
+
+    def run(self) -> Run:
+        done = np.zeros(SEQUENCES, dtype=np.int64)
+        for step in SCHEDULE:
+            rows = [s for s in range(SEQUENCES) if step[s]]
+            new = np.array([step[s] for s in rows])
+            starts = np.concatenate([[0], np.cumsum(new)])
+            lengths = done[rows] + new
+            plan = plan_step(self.staging, self.method.group, BLOCK, starts, lengths,
+                             self.table[rows], torch.device("cpu"))
+            spans = [slice(done[s], done[s] + step[s]) for s in rows]
+            query, key, value = (torch.cat([x[s][span] for s, span in zip(rows, spans,
+                                                                            strict=True)])
+                                 for x in (self.q, self.k, self.v))
+            output = torch.zeros_like(query)
+            self.cache.step(plan, query, key, value, D**-0.5, output)
+            for i, (s, span) in enumerate(zip(rows, spans, strict=True)):
+                self.outputs[s][span] = output[starts[i] : starts[i + 1]]
+            done[rows] = lengths
+        return self
+
+    # -- what kvmix's methods give on the same tokens --------------------------------------
+
+    def expected(self, s: int) -> tuple[list[Blocks], object]:
+        """Sequence ``s``'s groups encoded by the method, and its selection."""
+        method, G = self.method, self.method.group
+        keys = method.transform_keys(self.k[s].transpose(0, 1).unsqueeze(0), LAYER)
+        values = self.v[s].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
+        queries = method.transform_queries(self.q[s].transpose(0, 1).unsqueeze(0), LAYER)
+        first = slice(0, G)
+        selection = method.select(queries[:, :, first], keys[:, :, first], LAYER,
+                                  values[:, :, first])
+        groups = [Blocks(*method.encode(keys[:, :, g * G : (g + 1) * G],
+                                        values[:, :, g * G : (g + 1) * G], LAYER, selection))
+                  for g in range(keys.shape[2] // G)]
+        return groups, selection
+
+    def stored(self, s: int, g: int) -> tuple[Blocks, object]:
+        """What page ``g`` of sequence ``s`` holds: its state and its selection ([1, ...])."""
+        tokens = g * self.method.group
+        page = self.table[s, tokens // BLOCK] * (BLOCK // self.method.group) + \
+            tokens % BLOCK // self.method.group
+        pages = self.cache.pages
+        return (map_tensors(pages.blocks, lambda t: t[page : page + 1]),
+                map_tensors(pages.selection, lambda t: t[page : page + 1]))
+
+    def attention(self, s: int, t: int, groups: list[Blocks], selection) -> torch.Tensor:
+        """Token ``t``'s output: the groups before its own decoded, then its own group's exact
+        floats (whatever step it came in)."""
+        method, G = self.method, self.method.group
+        sealed = t // G
+        keys = method.transform_keys(self.k[s][: t + 1].transpose(0, 1).unsqueeze(0), LAYER)
+        values = self.v[s][: t + 1].transpose(0, 1).unsqueeze(0)  # [1, H, t+1, D]
+        if sealed:
+            stacked = combine(groups[:sealed], lambda ts: torch.stack(ts, 1))
+            old = method.decode(stacked, LAYER, selection, torch.float32)  # [1, n, H, G, D]
+            old = [x.transpose(1, 2).flatten(2, 3) for x in old]
+            keys = torch.cat([old[0], keys[:, :, sealed * G :]], 2)
+            values = torch.cat([old[1], values[:, :, sealed * G :]], 2)
+        query = method.transform_queries(self.q[s][t].view(1, HQ, 1, D), LAYER)
+        keys, values = (x.repeat_interleave(HQ // H, 1) for x in (keys, values))
+        weights = torch.softmax(query @ keys.transpose(-1, -2) * D**-0.5, -1)
+        return (weights @ values)[0, :, 0]  # [Hq, D]
+
+
+def same(a, b) -> bool:
+    left, right = tagged_tensors(a, ""), tagged_tensors(b, "")
+    return len(left) == len(right) and all(
+        x.shape == y.shape and torch.equal(x, y.to(x.dtype)) for (_, x), (_, y) in
+        zip(left, right, strict=True))
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
+    run = Run(settings_for(name)).run()
+    for s in range(SEQUENCES):
+        groups, selection = run.expected(s)
+        for g, group in enumerate(groups):
+            state, chosen = run.stored(s, g)
+            assert same(state, group), f"{name}: sequence {s}, group {g}"
+            if selection is not None:
+                assert same(chosen, selection), f"{name}: selection of sequence {s}"
+        expected = torch.stack([run.attention(s, t, groups, selection)
+                                for t in range(len(run.q[s]))])
+        assert_near(run.outputs[s], expected, op_tolerance(run.method) * 10)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
+def test_the_fused_op_and_the_reference_path_agree(name):
+    fused = Run(settings_for(name)).run()
+    assert fused.cache.fused, "the CPU op is not built here"
+    reference = Run(settings_for(name))
+    reference.cache.fused = False
+    reference.run()
+    for a, b in zip(fused.outputs, reference.outputs, strict=True):
+        assert_near(a, b, op_tolerance(fused.method))
+
+
+def test_float16_staging_keeps_what_float16_holds():
+    """Staged tokens are rounded to the staging dtype and nothing else changes: on keys and
+    values float16 holds exactly, float16 staging gives float32 staging's pages and outputs."""
+    runs = []
+    for staging in (torch.float16, torch.float32):
+        run = Run(settings_for("kivi2", staging))
+        run.k, run.v = ([x.half().float() for x in xs] for xs in (run.k, run.v))
+        runs.append(run.run())
+    half, exact = runs
+    assert half.cache.staged_keys.dtype == torch.float16
+    assert all(torch.equal(a, b) for a, b in zip(half.outputs, exact.outputs, strict=True))
+    assert same(half.cache.pages, exact.cache.pages)
+
+
+def test_staging_is_one_group_per_slot():
+    settings = settings_for("pnmix1", torch.float16)
+    cache = LayerCache(settings, 0, torch.float32, 5, BLOCK, torch.device("cpu"))
+    floats = 2 * 5 * H * G * D * 2  # keys and values, 5 slots, float16
+    sums = cache.sums.numel() * 4
+    assert cache.staging_bytes() == floats + sums
+
+
+def test_a_reclaimed_open_group_is_never_read():
+    staging = Staging(2)
+    table = np.arange(3).reshape(3, 1)
+
+    def step(rows, before, new):
+        starts = np.concatenate([[0], np.cumsum(new)])
+        return plan_step(staging, G, BLOCK, starts, np.array(before) + np.array(new),
+                         table[rows], torch.device("cpu"))
+
+    step([0, 1], [0, 0], [3, 3])  # two open groups: both slots taken
+    plan = step([2], [0], [3])  # a third: the slot used longest ago is reclaimed
+    assert plan.staged_slots.unique().numel() == 1
+    with pytest.raises(StagingLost, match="max_num_seqs"):
+        step([0, 1], [3, 3], [1, 1])  # one of the first two lost its staged tokens
+
+
+def test_a_full_staging_with_every_slot_in_the_step_is_refused():
+    staging = Staging(1)
+    starts = np.array([0, 3, 6])
+    with pytest.raises(StagingLost, match="raise max_num_seqs"):
+        plan_step(staging, G, BLOCK, starts, np.array([3, 3]), np.arange(2).reshape(2, 1),
+                  torch.device("cpu"))
+
+
+@pytest.mark.parametrize("text, match", [
+    ("kivi2:sink=4", "sink=4"),
+    ("kivi2:residual=256", "residual=256"),
+    ("polar", "not served"),
+])
+def test_layouts_vllm_blocks_cannot_hold_are_refused(text, match):
+    with pytest.raises(Refused, match=match):
+        laid_out(parse_method(text), text)
