@@ -46,9 +46,9 @@ def settings_for(name: str, staging: torch.dtype = torch.float32) -> Settings:
 class Run:
     """Random queries, keys, values of each sequence, fed to a ``LayerCache`` step by step."""
 
-    def __init__(self, settings: Settings, seed: int = 0):
-        self.settings, self.method = settings, settings.method
-        lengths = np.array(SCHEDULE).sum(0)
+    def __init__(self, settings: Settings, seed: int = 0, schedule=SCHEDULE):
+        self.settings, self.method, self.schedule = settings, settings.method, schedule
+        lengths = np.array(schedule).sum(0)
         g = torch.Generator().manual_seed(seed)
         self.q = [torch.randn(n, HQ, D, generator=g) for n in lengths]  # [T, Hq, D]
         self.k = [torch.randn(n, H, D, generator=g) * 3 + 1 for n in lengths]
@@ -71,7 +71,7 @@ class Run:
 
     def run(self) -> Run:
         done = np.zeros(SEQUENCES, dtype=np.int64)
-        for step in SCHEDULE:
+        for step in self.schedule:
             rows = [s for s in range(SEQUENCES) if step[s]]
             new = np.array([step[s] for s in rows])
             starts = np.concatenate([[0], np.cumsum(new)])
@@ -140,19 +140,35 @@ def same(a, b) -> bool:
         zip(left, right, strict=True))
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
-    run = Run(settings_for(name)).run()
-    for s in range(SEQUENCES):
+def check(run: Run) -> None:
+    """Every sealed page holds the method's codes and selection; every output is attention
+    over them and the exact float tail."""
+    for s in (s for s in range(SEQUENCES) if len(run.q[s])):
         groups, selection = run.expected(s)
         for g, group in enumerate(groups):
             state, chosen = run.stored(s, g)
-            assert same(state, group), f"{name}: sequence {s}, group {g}"
+            assert same(state, group), f"{run.method.name}: sequence {s}, group {g}"
             if selection is not None:
-                assert same(chosen, selection), f"{name}: selection of sequence {s}"
+                assert same(chosen, selection), f"{run.method.name}: selection of sequence {s}"
         expected = torch.stack([run.attention(s, t, groups, selection)
                                 for t in range(len(run.q[s]))])
         assert_near(run.outputs[s], expected, op_tolerance(run.method) * 10)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
+    check(Run(settings_for(name)).run())
+
+
+def test_pages_reused_by_new_sequences_decode_with_their_new_selections():
+    """vLLM hands freed blocks to new requests: the same pages, new tokens, new selections
+    (the fused op's view of the pool must not keep the old ones)."""
+    first = Run(settings_for("pnmix1")).run()
+    # sequence 0 again, in the same pages: its first decode reads the rows the first run's last
+    # decode read
+    second = Run(settings_for("pnmix1"), seed=1, schedule=[[16, 0, 0], [1, 0, 0]])
+    second.cache, second.table = first.cache, first.table
+    check(second.run())
 
 
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1"])

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -41,25 +40,19 @@ from kvmix.vllm.settings import Refused, Settings, resolve
 logger = logging.getLogger(__name__)
 
 
-_ACTIVE: list[Settings] = []  # the settings of the engine this process builds
+_BOUND: dict[tuple, type[KvmixBackend]] = {}
 
 
-def current() -> Settings:
-    """The kvmix settings of the vLLM configuration being built: resolved while vLLM builds
-    the model (its configuration is current then) and kept for the calls made outside that
-    context (``customize_spec`` while the KV cache is sized)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    config = get_current_vllm_config_or_none()
-    if config is not None and config.model_config is not None:
-        settings = resolve(config)
-        if settings is not None and (not _ACTIVE or _ACTIVE[-1].text != settings.text
-                                     or _ACTIVE[-1].spec != settings.spec):
-            _ACTIVE.append(settings)
-    if not _ACTIVE:
-        raise Refused("kvmix's backend was selected without a kvmix method in "
-                      """--additional-config '{"kvmix": {"method": "..."}}'""")
-    return _ACTIVE[-1]
+def backend_for(vllm_config: VllmConfig) -> type[KvmixBackend]:
+    """kvmix's backend class bound to the settings of ``vllm_config`` (one class per engine
+    configuration: vLLM calls some of a backend's methods with no configuration at hand, such
+    as ``customize_spec`` while it sizes the cache)."""
+    settings = resolve(vllm_config)
+    key = (settings.text, settings.staging, settings.dtype, vllm_config.model_config.model,
+           settings.spec.name)
+    if key not in _BOUND:
+        _BOUND[key] = type("KvmixBackend", (KvmixBackend,), {"settings": settings})
+    return _BOUND[key]
 
 
 @functools.cache
@@ -73,6 +66,7 @@ class KvmixBackend(AttentionBackend):
     """kvmix's packed formats as a vLLM attention backend (CPU: kvmix's fused op; CUDA:
     ``--attention-backend CUSTOM``)."""
 
+    settings: ClassVar[Settings]  # set on the class ``backend_for`` makes
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = True
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
@@ -92,9 +86,9 @@ class KvmixBackend(AttentionBackend):
     def get_builder_cls() -> type[KvmixMetadataBuilder]:
         return KvmixMetadataBuilder
 
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(current().group)]
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(cls.settings.group)]
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -102,16 +96,16 @@ class KvmixBackend(AttentionBackend):
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """uint8 pages of the method's size: ``block_size / group`` kvmix pages per block."""
-        settings = current()
+        """uint8 pages of the method's size: one vLLM "state" is one kvmix page (``group``
+        tokens of every KV head), ``block_size / group`` of them a block, in one head slot —
+        a block takes exactly its pages' bytes."""
+        settings = cls.settings
         if spec.block_size % settings.group:
             raise Refused(f"vLLM's block size {spec.block_size} is not a multiple of "
                           f"{settings.method.name}'s group={settings.group}: a block holds whole "
                           f"groups (use --block-size {settings.group} or a multiple)")
-        pages = spec.block_size // settings.group
-        total = pages * page_bytes(settings, settings.dtype)
-        cells = spec.num_kv_heads * spec.block_size
-        return replace(spec, dtype=torch.uint8, state_content_bytes=math.ceil(total / cells))
+        return replace(spec, dtype=torch.uint8, num_head_slots=1, tokens_per_state=settings.group,
+                       state_content_bytes=page_bytes(settings, settings.dtype))
 
 
 @dataclass
@@ -159,7 +153,7 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
         self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         config = get_current_vllm_config()
-        self.settings = current()
+        self.settings = resolve(config)
         refuse(config, self.settings, head_size=head_size, sliding_window=sliding_window,
                kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap,
                alibi_slopes=alibi_slopes, attn_type=attn_type,
@@ -187,7 +181,7 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
     def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> LayerCache:
         if self.cache is None:
             self.cache = LayerCache(self.settings, extract_layer_index(layer.layer_name),
-                                    self.dtype, self.slots, kv_cache.shape[2], kv_cache.device)
+                                    self.dtype, self.slots, self.block_size, kv_cache.device)
         self.cache.bind(kv_cache)
         return self.cache
 

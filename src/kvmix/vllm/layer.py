@@ -51,6 +51,7 @@ class LayerCache:
         self.cache: torch.Tensor | None = None
         self.fused = _fused(method, spec.head_dim, dtype)
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
+        self._selected = 0  # selections written so far: a page's may change when it is reused
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -75,8 +76,8 @@ class LayerCache:
              scale: float, output: torch.Tensor) -> None:
         """query [N, Hq, D], key, value [N, H, D] of the step's tokens -> output [N, Hq, D]."""
         query = self._heads_first(query, self.method.transform_queries)  # [1, Hq, N, D]
-        key = self._heads_first(key, self.method.transform_keys)  # [1, H, N, D]
-        value = value.transpose(0, 1).unsqueeze(0)
+        key = self._staged(self._heads_first(key, self.method.transform_keys))  # [1, H, N, D]
+        value = self._staged(value.transpose(0, 1).unsqueeze(0))
         sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
         if plan.sealed:
             self._seal(plan, key, value, sums)
@@ -88,6 +89,13 @@ class LayerCache:
 
     def _heads_first(self, x: torch.Tensor, transform) -> torch.Tensor:
         return transform(x.transpose(0, 1).unsqueeze(0), self.layer)
+
+    def _staged(self, x: torch.Tensor) -> torch.Tensor:
+        """Every new key and value as the staging holds it (rounded to its dtype), whether it
+        is staged, sealed or attended in this step: what a token is does not depend on how
+        vLLM schedules it."""
+        dtype = self.staged_keys.dtype
+        return x if dtype == x.dtype else x.to(dtype).to(x.dtype)
 
     # -- attend --------------------------------------------------------------------------------
 
@@ -171,11 +179,12 @@ class LayerCache:
 
     def _pool_view(self, plan: StepPlan) -> batch.PoolView:
         """The pool as the op reads it, with each decode row's selection (rebuilt only when the
-        rows' first pages change)."""
-        key = None if self.pages.selection is None else tuple(plan.decode_first.tolist())
+        rows' first pages, or the selections stored, change)."""
+        firsts = None if self.pages.selection is None else tuple(plan.decode_first.tolist())
+        key = (self._selected, firsts)
         if self._views[0] != key or self._views[1] is None:
             pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))
-            selections = [None] if key is None else [self._selection([page]) for page in key]
+            selections = [None] if firsts is None else [self._selection([p]) for p in firsts]
             self._views = key, batch.build_pool_view(self.method, self.layer, pool, selections)
         return self._views[1]
 
@@ -213,6 +222,7 @@ class LayerCache:
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer, values[first])
         _write(self.pages.selection, chosen, plan.seal_pages[first])
+        self._selected += 1
 
     def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
         """Query sums of first groups: per sealed group [E, H, C], its slot's and its new

@@ -20,10 +20,11 @@ def __getattr__(name: str) -> Any:
 
     if name not in AttentionBackendEnum.__members__:
         raise AttributeError(name)
-    if requested(get_current_vllm_config()) is not None:
-        from kvmix.vllm.backend import KvmixBackend
+    config = get_current_vllm_config()
+    if requested(config) is not None:
+        from kvmix.vllm.backend import backend_for
 
-        return KvmixBackend
+        return backend_for(config)
     path = AttentionBackendEnum[name].value
     if not path:
         raise ValueError(f"--attention-backend {name} is kvmix's backend: name a kvmix method "

