@@ -27,12 +27,18 @@ GIB = 1 << 30
 
 @contextlib.contextmanager
 def tiny_model_folder():
-    """The tiny Llama (float32 weights, no tokenizer) as a model folder vLLM loads."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The tiny Llama (float32 weights) as a model folder vLLM loads, with a word-level
+    tokenizer of its vocabulary (token ``i`` is the word ``t<i>``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     folder = tempfile.mkdtemp(prefix="kvmix-vllm-")
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(**TINY)).save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(TINY["vocab_size"])}, "t3"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=words, bos_token="t1", eos_token="t2",
+                            pad_token="t0", unk_token="t3").save_pretrained(folder)
     try:
         yield folder
     finally:
@@ -54,6 +60,7 @@ def engine(folder: str, method: str | dict | None = None, **options):
 
     extra = {} if method is None else {"additional_config": {"kvmix": method}}
     settings = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
+                "gpu_memory_utilization": 0.5,
                 "max_model_len": 1024, "seed": 0, **extra, **options}
     llm = None
     try:
