@@ -246,6 +246,9 @@ def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_pat
     from transformers import AutoModelForCausalLM
 
     reloaded = AutoModelForCausalLM.from_pretrained(exported["model"])  # values folded in
+    method = kvmix.parse_method(f"wush:transforms={path},transform=wush")
+    # what an engine that builds the model from its config reads (the vLLM plugin)
+    assert reloaded.config.kvmix_folded == {"id": method.fold_id, "model": method.meta["model"]}
     ids = torch.arange(100, 120)[None]
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, real_model.model(ids).logits,

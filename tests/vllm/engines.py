@@ -95,3 +95,31 @@ def greedy(llm, requests, tokens: int = 24) -> list[list[int]]:
 
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     return [list(o.outputs[0].token_ids) for o in llm.generate(requests, params, use_tqdm=False)]
+
+
+def export_wush(folder: str, out: str) -> tuple[str, str]:
+    """WUSH transforms calibrated on the tiny Llama in ``folder`` and ``kvmix export``'s model
+    with its values folded in: (transforms file, exported model folder)."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmix.commands.export import run_export
+    from kvmix.core.transforms import TransformSet, save_transforms
+    from kvmix.evaluation.calibration import collect_moments, compute_transforms
+    from kvmix.models.loading import LoadedModel
+    from kvmix.runtime.cache import model_spec
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    spec = model_spec(model.config)
+    ids = torch.randint(3, TINY["vocab_size"], (1, 256), generator=torch.Generator().manual_seed(5))
+    matrices = compute_transforms(model, collect_moments(model, ids, 128), spec.head_dim, 0.01)
+    meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
+            "head_dim": str(spec.head_dim), "block": str(spec.head_dim), "damping": "0.01",
+            "data": "random", "tokens": "256"}
+    path = Path(out) / "transforms.safetensors"
+    save_transforms(path, TransformSet(matrices["keys"], matrices["values"], meta))
+    loaded = LoadedModel(model, AutoTokenizer.from_pretrained(folder), folder, folder,
+                         torch.float32)
+    exported = run_export(str(path), "wush", str(Path(out) / "export"), loaded)
+    return str(path), str(exported["model"])

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from engines import GIB, TINY, engine, greedy, prompts, tiny_model_folder
+from engines import GIB, TINY, engine, export_wush, greedy, prompts, tiny_model_folder
 
 LENGTHS = (40, 77, 130, 9)
 
@@ -134,4 +134,22 @@ def test_what_kvmix_cannot_honour_stops_the_engine_by_name(tiny_folder, options,
 def test_methods_kvmix_does_not_serve_are_refused_before_the_model_loads(tiny_folder, method,
                                                                          named):
     with pytest.raises(ValueError, match=named), engine(tiny_folder, method, block_size=32):
+        pass
+
+
+def test_wush_runs_on_the_exported_folded_model(tiny_folder, tmp_path):
+    """``kvmix export --transforms`` marks the folded model; the plugin binds WUSH to it (the
+    key transform online, queries transformed back), and refuses the unfolded model. At 8 bits
+    WUSH keeps vLLM's own greedy tokens on the folded model."""
+    from kvmix.vllm.settings import Refused
+
+    transforms, folded = export_wush(tiny_folder, str(tmp_path))
+    requests = prompts([40, 77], seed=9)
+    with engine(folded, block_size=32) as llm:
+        stock = greedy(llm, requests, tokens=4)
+    method = {"method": f"wush:transforms={transforms},key_bits=8,value_bits=8",
+              "staging": "float32"}
+    with engine(folded, method, block_size=32) as llm:
+        assert greedy(llm, requests, tokens=4) == stock
+    with pytest.raises(Refused, match="folded"), engine(tiny_folder, method, block_size=32):
         pass

@@ -23,7 +23,7 @@ from kvmix.evaluation.report import console, print_table
 from kvmix.evaluation.scoring import check_lengths, token_kl
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, drop_gguf_marker, load_model
-from kvmix.runtime.folding import prepare_model
+from kvmix.runtime.folding import CONFIG_KEY, prepare_model
 
 
 def run_export(transforms: str, transform: str, model_out: str, loaded: LoadedModel,
@@ -36,6 +36,7 @@ def run_export(transforms: str, transform: str, model_out: str, loaded: LoadedMo
     out = Path(model_out)
     out.mkdir(parents=True, exist_ok=True)
     drop_gguf_marker(folded)
+    setattr(folded.config, CONFIG_KEY, {"id": method.fold_id, "model": method.meta["model"]})
     folded.save_pretrained(out / "model")
     loaded.tokenizer.save_pretrained(out / "model")
     transforms = method.transform_set()

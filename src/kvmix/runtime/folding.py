@@ -22,6 +22,9 @@ from kvmix.runtime.attention import FOLDED
 from kvmix.runtime.cache import model_spec
 
 _COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the config.json entry of an exported folded model: {"id": fold id, "model": the name the
+# transforms were calibrated for}, read where the model is built from its config (the vLLM plugin)
+CONFIG_KEY = "kvmix_folded"
 
 
 @torch.no_grad()

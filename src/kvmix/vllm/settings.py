@@ -22,6 +22,7 @@ import torch
 from kvmix.methods import Method, ModelSpec, parse_method
 from kvmix.models.loading import config_rope_pairs
 from kvmix.runtime.cache import model_spec
+from kvmix.runtime.folding import CONFIG_KEY
 
 KEY = "kvmix"  # the key of --additional-config
 STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -29,7 +30,6 @@ STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 FIELDS = ("method", "staging")
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
-FOLDED_KEY = "kvmix_folded"  # written into config.json by `kvmix export --transforms`
 
 
 class Refused(ValueError):
@@ -81,9 +81,9 @@ def resolve(vllm_config: Any) -> Settings | None:
     dtype = model_config.dtype
     staging = _staging(raw.get("staging", "auto" if not method.quantizes else "float16"), dtype)
     hf_config = model_config.hf_config
-    folded = getattr(hf_config, FOLDED_KEY, None) or {}
+    folded = getattr(hf_config, CONFIG_KEY, None) or {}
     spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
-    if folded.get("model"):
+    if "model" in folded:  # the name the transforms were calibrated for
         spec = dataclasses.replace(spec, name=folded["model"])
     try:
         method.bind(spec)
