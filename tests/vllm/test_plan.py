@@ -17,7 +17,7 @@ from transformers import LlamaConfig
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, parse_method
 from kvmix.runtime.cache import model_spec
-from kvmix.vllm.layer import LayerCache
+from kvmix.vllm.layer import LayerCache, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StagingLost, plan_step
 from kvmix.vllm.settings import Refused, Settings, laid_out
@@ -196,12 +196,14 @@ def test_float16_staging_keeps_what_float16_holds():
     assert same(half.cache.pages, exact.cache.pages)
 
 
-def test_staging_is_one_group_per_slot():
-    settings = settings_for("pnmix1", torch.float16)
-    cache = LayerCache(settings, 0, torch.float32, 5, BLOCK, torch.device("cpu"))
-    floats = 2 * 5 * H * G * D * 2  # keys and values, 5 slots, float16
-    sums = cache.sums.numel() * 4
-    assert cache.staging_bytes() == floats + sums
+@pytest.mark.parametrize("name, staging", [("pnmix1", torch.float16), ("kivi2", torch.float32)])
+def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
+    settings = settings_for(name, staging)
+    layers = [LayerCache(settings, layer, torch.float32, 5, BLOCK, torch.device("cpu"))
+              for layer in range(settings.spec.n_layers)]
+    floats = 2 * 5 * H * G * D * staging.itemsize  # keys and values, 5 slots
+    assert layers[0].staging_bytes() >= floats
+    assert sum(cache.staging_bytes() for cache in layers) == staging_nbytes(settings, 5)
 
 
 def test_a_reclaimed_open_group_is_never_read():

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvmix.vllm.layer import LayerCache
+from kvmix.vllm.layer import LayerCache, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StepPlan, plan_step
 from kvmix.vllm.settings import Refused, Settings, resolve
@@ -126,7 +126,13 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.settings = resolve(vllm_config)
         self.block_size = kv_cache_spec.block_size
-        self.staging = Staging(vllm_config.scheduler_config.max_num_seqs)
+        slots = vllm_config.scheduler_config.max_num_seqs
+        self.staging = Staging(slots)
+        settings = self.settings
+        logger.info("kvmix: %s in vLLM's cache, %d bytes a page of %d tokens; float staging of "
+                    "each running sequence's open group (%s): %d sequences, %.1f MiB",
+                    settings.text, page_bytes(settings, settings.dtype), settings.group,
+                    settings.staging, slots, staging_nbytes(settings, slots) / 2**20)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvmixMetadata:

@@ -66,6 +66,7 @@ class LayerCache:
         self.cache, self._views = cache, (None, None)
 
     def staging_bytes(self) -> int:
+        """What the staging holds: each slot's open group (keys, values) and query sums."""
         held = [self.staged_keys, self.staged_values] + ([self.sums] if self.sums is not None
                                                          else [])
         return sum(t.numel() * t.element_size() for t in held)
@@ -245,6 +246,16 @@ class LayerCache:
         for new, staged in ((key, self.staged_keys), (value, self.staged_values)):
             staged[plan.staged_slots, :, plan.staged_offsets] = \
                 new[0, :, plan.staged_tokens].transpose(0, 1).to(staged.dtype)
+
+
+def staging_nbytes(settings: Settings, slots: int) -> int:
+    """What every layer's staging holds for ``slots`` running sequences: the open group's keys
+    and values in the staging dtype, and where the method selects, its query sums."""
+    method, spec = settings.method, settings.spec
+    group = 2 * spec.n_kv_heads * method.group * spec.head_dim * settings.staging.itemsize
+    probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
+    sums = 0 if probe is None else probe[0].numel() * probe.element_size()
+    return spec.n_layers * slots * (group + sums)
 
 
 def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
