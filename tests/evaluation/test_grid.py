@@ -66,6 +66,7 @@ def config(model_folder, out, **extra) -> CompareConfig:
                          out=str(out), **extra)
 
 
+@pytest.mark.process
 def test_a_grid_on_two_workers_equals_the_local_grid(local_ray, model_folder, tmp_path,
                                                       capsys):
     with threads(1):
@@ -79,6 +80,7 @@ def test_a_grid_on_two_workers_equals_the_local_grid(local_ray, model_folder, tm
     assert info["name"] == model_folder and info["layers"] == 2
 
 
+@pytest.mark.process
 def test_a_grid_stopped_part_way_resumes_only_its_missing_cells(local_ray, model_folder,
                                                                  tmp_path, capsys):
     """One cell's rows removed (the run stopped before it): the rerun keeps the others'

@@ -25,6 +25,7 @@ def nvidia_backend() -> bool:
 
 
 @pytest.mark.skipif(not nvidia_backend(), reason="Triton or its NVIDIA backend is not installed")
+@pytest.mark.process
 def test_every_kernel_compiles_for_sm90():
     """Per-channel keys of 1, 2 and 4 planes, 3-bit keys, per-token keys, float pages, sliding
     windows, the per-sequence path (a chunk of new queries) and the encoders: each launch's

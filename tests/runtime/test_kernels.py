@@ -284,6 +284,7 @@ for name in ("kivi2", "pnmix1", "kxvy:key_bits=3,value_bits=3,value_group=16", "
 """
 
 
+@pytest.mark.process
 def test_the_portable_float_kernels_match_the_reference(tmp_path):
     """A build without VNNI (what CPUs lacking it get) runs the float kernels, says why, and
     matches the reference path to float32 rounding, keys and values, groups of 16."""

@@ -31,6 +31,7 @@ from kvmix.models.loading import load_tokenizer
 from kvmix.serving.launch import Scale, ServeConfig, deploy_config
 from kvmix.serving.replicas import FreePagesRouter, KVUsagePolicy, application
 
+pytestmark = pytest.mark.process  # a local Ray cluster: not in make check
 METHOD = "kivi2:sink=4,residual=16,group=8"
 TIMEOUT = 60.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",

@@ -551,6 +551,7 @@ def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
         assert not server.thread.is_alive() and server.service.exit_code == 1
 
 
+@pytest.mark.process
 def test_sigterm_drains_a_real_server_process_then_exits_0(model, tokenizer, tmp_path):
     """``kvmix serve`` as users run it, on a saved tiny model: SIGTERM mid-stream: the stream
     completes, a new request gets 503, the process exits 0."""
