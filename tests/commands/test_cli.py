@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from kvmix.cli import main
@@ -17,6 +19,11 @@ def test_methods_lists_every_method_and_preset(capsys):
     (["compare", "--context", "0"], "context=0 is invalid"),
     (["compare", "--methods", "kivi:key_bits=8"], "key_bits=8 is not supported"),
     (["compare", "--backend", "gpu"], "backend='gpu' is invalid; valid: auto, torch, cpu"),
+    (["compare", "--engine", "sglang"], "engine='sglang' is invalid; valid: kvmix, vllm"),
+    (["compare", "--engine", "vllm", "--vllm-python", "/no/python"],
+     "vllm_python='/no/python' does not exist: build the vLLM environment with `make vllm`"),
+    (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
+      "kivi2:sink=4"], "--engine vllm sets sink itself"),
     (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
     (["bench", "--prompt", "1024,x"], "prompt='1024,x' is invalid; expected comma-separated int"),
     (["bench", "--rounds", "0"], "rounds=0 is invalid; expected >= 1"),

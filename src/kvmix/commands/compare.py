@@ -12,8 +12,9 @@ from kvmix.commands.args import (
     add_length_arguments,
     config_from,
 )
+from kvmix.evaluation import through_vllm
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, scored_inputs
+from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, scored_inputs
 from kvmix.evaluation.report import console
 from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -25,6 +26,10 @@ COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
            "nbytes": "cache bytes", "ratio_fp16": "/16-bit", "nbytes_16bit": "bytes@16",
            "effective_bits": "eff. bits", "static": "static", "ppl": "ppl", "delta_ppl": "Δppl",
            "token_kl": "token KL", "seconds": "time s"}
+ENGINES = ("kvmix", "vllm")
+VLLM_COLUMNS = {"method": "method", "ppl": "ppl (kvmix)", "delta_ppl": "Δppl (kvmix)",
+                "vllm_ppl": "ppl (vLLM)", "vllm_delta_ppl": "Δppl (vLLM)",
+                "delta_ratio": "Δ vLLM/kvmix", "vllm_seconds": "vLLM s"}
 
 
 @dataclass
@@ -33,6 +38,8 @@ class CompareConfig(GridConfig, JobConfig):
     context: int = 1024
     eval_tokens: int = 256
     chunk: int = 1
+    engine: str = "kvmix"  # vllm: also through vLLM, each method with vLLM's layout
+    vllm_python: str = through_vllm.DEFAULT_PYTHON
 
 
 def add_parser(commands) -> None:
@@ -40,6 +47,10 @@ def add_parser(commands) -> None:
     add_job_arguments(parser, CompareConfig())
     add_length_arguments(parser, CompareConfig)
     add_grid_arguments(parser)
+    parser.add_argument("--engine", default="kvmix", help="kvmix, or vllm: every method also "
+                        "through vLLM (kvmix's plugin; sink=0, residual=group on both paths)")
+    parser.add_argument("--vllm-python", default=through_vllm.DEFAULT_PYTHON,
+                        help="the vLLM environment's interpreter (make vllm builds it)")
     parser.set_defaults(run=lambda args: run_compare(config_from(CompareConfig, args)))
 
 
@@ -51,6 +62,10 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     check_grid(config)
     for method in config.methods:
         parse_method(method)  # bad method strings fail before loading
+    if config.engine not in ENGINES:
+        raise ValueError(f"engine={config.engine!r} is invalid; valid: {', '.join(ENGINES)}")
+    if config.engine == "vllm":
+        return _through_vllm(config, loaded)
     grid = Grid("compare", config, compare_cell, shared=config)
     outcomes, model = grid.run(list(config.methods), Worker.holding(loaded, config))
     rows = merged(outcomes)
@@ -78,3 +93,29 @@ def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) ->
             "nbytes_dtype": scored.nbytes_fp16 * dtype.itemsize // 2,
             "ratio_dtype": scored.nbytes / (scored.nbytes_fp16 * dtype.itemsize / 2),
             "plan": scored.plan}
+
+
+def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dict]:
+    """Each method with vLLM's layout, scored through kvmix's path and through vLLM on the
+    same tokens: perplexity and its change from each engine's own float cache."""
+    through_vllm.check_python(config.vllm_python)
+    methods = list(dict.fromkeys(["full", *map(through_vllm.vllm_layout, config.methods)]))
+    loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
+    own = {m: score(loaded.model, ids, m, config.context, config.chunk, backend=config.backend)
+           for m in methods}
+    console.print(f"scoring {len(methods)} methods through vLLM ({config.vllm_python})")
+    engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods)
+    rows = [_vllm_row(m, own[m], own["full"], engine[m], engine["full"]) for m in methods]
+    finish("compare", config, loaded, rows, f"{config.data} · context {config.context} + "
+           f"{config.eval_tokens} tokens · kvmix and vLLM", VLLM_COLUMNS)
+    return rows
+
+
+def _vllm_row(method: str, scored: Scored, full: Scored, engine: dict, engine_full: dict
+              ) -> dict:
+    row = {"method": method, "resolved": repr(parse_method(method)), **summary(scored, full),
+           "vllm_ppl": engine["ppl"], "vllm_delta_ppl": engine["ppl"] - engine_full["ppl"],
+           "vllm_seconds": engine["seconds"], "vllm_block_size": engine["block_size"]}
+    if method != "full":
+        row["delta_ratio"] = row["vllm_delta_ppl"] / row["delta_ppl"]
+    return row

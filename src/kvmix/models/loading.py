@@ -189,6 +189,22 @@ def drop_gguf_marker(model) -> None:
         model.is_quantized = False
         del model.config.quantization_config
 
+
+def save_float(model, folder: str | Path) -> None:
+    """Save ``model`` as a float model folder, a GGUF-loaded one too (its tensors are
+    dequantized already); the model itself keeps its GGUF marker."""
+    kept = {name: getattr(model, name, None) for name in ("hf_quantizer", "is_quantized")}
+    quantization = getattr(model.config, "quantization_config", None)
+    drop_gguf_marker(model)
+    try:
+        model.save_pretrained(folder)
+    finally:
+        for name, value in kept.items():
+            setattr(model, name, value)
+        if quantization is not None:
+            model.config.quantization_config = quantization
+
+
 def config_rope_pairs(config: Any) -> torch.Tensor | None:
     """``rope_pairs`` of the model a transformers config describes, read from that model's own
     rotary embedding (built alone: no weights) — for engines that run the model themselves."""

