@@ -53,5 +53,13 @@ timeout 70 python scripts/gpu_step.py --out "$out/step" --context 15000 --batch 
 # 4. throughput at equal memory
 timeout 150 python scripts/gpu_throughput.py --out "$out/throughput" --requests 96 \
   2>&1 | tee "$out/throughput.txt"
+# 5. kvmix inside vLLM, where mainline vLLM is installed: the plugin's tests with
+#    --attention-backend CUSTOM (its decode runs the torch reference path on CUDA so far)
+if python -c "import vllm" 2>/dev/null; then
+  timeout 300 python -m pytest -q -x -p no:cacheprovider tests/vllm 2>&1 | tail -n 30 \
+    | tee "$out/vllm.txt"
+else
+  echo "vllm is not installed: the plugin's section is skipped" | tee "$out/vllm.txt"
+fi
 # every target with its figure (a missing figure says so)
 python scripts/gpu_targets.py "$out" 2>&1 | tee "$out/targets.txt"

@@ -28,6 +28,9 @@ TINY = {"vocab_size": 512, "hidden_size": 192, "intermediate_size": 256, "num_hi
         "max_position_embeddings": 1024, "bos_token_id": 1, "eos_token_id": 2,
         "pad_token_id": 0, "initializer_range": 0.2}  # peaked logits: few near-ties
 GIB = 1 << 30
+# On CUDA vLLM picks its backend by --attention-backend; on CPU it always picks CPU_ATTN, which
+# the plugin stands in for
+CUSTOM = {"attention_backend": "CUSTOM"} if torch.cuda.is_available() else {}
 
 
 @contextlib.contextmanager
@@ -65,7 +68,7 @@ def engine(folder: str, method: str | dict | None = None, **options):
 
     extra = {} if method is None else {"additional_config": {"kvmix": method}}
     settings = {"dtype": "float32", "enforce_eager": True, "skip_tokenizer_init": True,
-                "gpu_memory_utilization": 0.5,
+                "gpu_memory_utilization": 0.5, **(CUSTOM if method is not None else {}),
                 "max_model_len": 1024, "seed": 0, **extra, **options}
     llm = None
     try:
