@@ -79,8 +79,8 @@ def test_full_reproduces_dynamic_cache(name):
 @pytest.mark.parametrize("name", list(ARCHITECTURES))
 def test_bfloat16_full_matches_dynamic_cache_exactly_and_the_fused_op_within_two_ulps(name):
     """bfloat16: the reference path reads the same values as DynamicCache (equal logits; with a
-    sliding window within two ulps, as the CPU's SDPA kernels round); the fused CPU op computes in float32 and rounds once, within two bfloat16 ulps (2^-7 relative)
-    of the logits' scale."""
+    sliding window within two ulps, as the CPU's SDPA kernels round); the fused CPU op computes
+    in float32 and rounds once, within two bfloat16 ulps (2^-7 relative) of the logits' scale."""
     model = build(name, *ARCHITECTURES[name]).to(torch.bfloat16)
     ids = torch.randint(1, 97, (2, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), warnings.catch_warnings():
