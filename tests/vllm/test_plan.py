@@ -238,3 +238,11 @@ def test_a_full_staging_with_every_slot_in_the_step_is_refused():
 def test_layouts_vllm_blocks_cannot_hold_are_refused(text, match):
     with pytest.raises(Refused, match=match):
         laid_out(parse_method(text), text)
+
+
+def test_a_cache_off_the_cpu_decodes_through_the_reference_path():
+    from kvmix.vllm.layer import _fused
+
+    method = settings_for("kivi2").method
+    assert _fused(method, D, torch.float32, torch.device("cpu"))
+    assert not _fused(method, D, torch.float32, torch.device("cuda"))

@@ -49,7 +49,7 @@ class LayerCache:
                                                                device=device)
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
-        self.fused = _fused(method, spec.head_dim, dtype)
+        self.fused = _fused(method, spec.head_dim, dtype, device)
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
 
@@ -265,9 +265,10 @@ def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
         target.index_copy_(0, index, source.to(target.dtype))
 
 
-def _fused(method: Method, head_dim: int, dtype: torch.dtype) -> bool:
+def _fused(method: Method, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether decode rows go through kvmix's fused CPU op (else the reference path)."""
-    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
+    reason = (f"the cache is on {device.type} (kvmix's Triton kernels are not wired to vLLM yet)"
+              if device.type != "cpu" else cpu.available()[1] or cpu.unserved(method, head_dim))
     if not reason and method.fast_path.startswith("reference only"):
         reason = f"{method.name} has no fused decode path in kvmix"
     if not reason and not method.quantizes and dtype != torch.float32:
