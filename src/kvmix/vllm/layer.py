@@ -130,7 +130,7 @@ class LayerCache:
         pages = plan.table[row, : int(plan.counts[row])].tolist()
         used = int(plan.spans[row, 3])
         keys, values = (c[row : row + 1, :, :used] for c in context)
-        history = self._history(pages, int(plan.decode_first[row]), keys.dtype)
+        history = self._history(pages, plan.decode_first[row], keys.dtype)
         keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, (keys, values),
                                                                    strict=True))
         out = sdpa(query[:, :, token : token + 1].float(), keys, values, scale)
@@ -181,7 +181,7 @@ class LayerCache:
     def _pool_view(self, plan: StepPlan) -> batch.PoolView:
         """The pool as the op reads it, with each decode row's selection (rebuilt only when the
         rows' first pages, or the selections stored, change)."""
-        firsts = None if self.pages.selection is None else tuple(plan.decode_first.tolist())
+        firsts = None if self.pages.selection is None else plan.decode_first
         key = (self._selected, firsts)
         if self._views[0] != key or self._views[1] is None:
             pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))

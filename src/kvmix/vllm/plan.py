@@ -135,7 +135,7 @@ class StepPlan:
     decode_tokens: torch.Tensor
     decode_slots: torch.Tensor
     decode_staged: torch.Tensor
-    decode_first: torch.Tensor  # [Rd] each decode row's first page (its selection)
+    decode_first: tuple[int, ...]  # each decode row's first page (its selection), on the host
     table: torch.Tensor
     held: torch.Tensor
     counts: torch.Tensor
@@ -239,7 +239,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         decode_tokens=plan(starts[:-1][decode]),
         decode_slots=plan(staged_slots[decode]),
         decode_staged=plan(staged[decode]),
-        decode_first=plan(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))),
+        decode_first=tuple(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))
+                           .tolist()),
         **_history(plan, page, every[decode], opened[decode], G, staged[decode]),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
                       page(np.full(done[r], r), np.arange(done[r])).tolist(),
