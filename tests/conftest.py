@@ -1,6 +1,7 @@
 """Shared fixtures: a tiny random Llama (GQA, 2 layers), the same with the default model's
-tokenizer for the serving tests (in memory or saved as a model folder), a folder for every file
-Ray writes, and, once per session, the real model."""
+tokenizer for the serving tests (in memory or saved as a model folder) and a server over it on
+the loopback address, a folder for every file Ray writes, and, once per session, the real
+model."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import time
 
 import pytest
 import torch
@@ -66,6 +68,45 @@ def ray_files():
         else:
             os.environ["RAY_TMPDIR"] = before
         shutil.rmtree(temp, ignore_errors=True)
+
+
+SERVED_METHOD = "kivi2:sink=4,residual=16,group=8"
+SERVED_NEW = 24
+
+
+@contextlib.contextmanager
+def serving(model, tokenizer, limits=None, requests: float = 4):
+    """(manager, server) of ``kvmix serve`` on 127.0.0.1, a free port (``SERVED_METHOD``,
+    ``SERVED_NEW`` tokens a request by default): a budget of ``requests`` requests of 200 tokens
+    at once; stopped after the block."""
+    from kvmix.serving.paged import KVMixManager
+    from kvmix.serving.server import Limits, Server, build_app
+
+    budget = KVMixManager(model, SERVED_METHOD, 1e9).budget
+    memory = requests * budget.footprint(200) + budget.static
+    manager = KVMixManager(model, SERVED_METHOD, memory, max_new_tokens=SERVED_NEW, length=200)
+    limits = limits or Limits(max_tokens=SERVED_NEW)
+    server = Server(build_app(manager, tokenizer, "tiny", limits), "127.0.0.1", 0)
+    manager.start()
+    server.start()
+    try:
+        yield manager, server
+    finally:
+        server.stop()
+        manager.stop(block=True)
+
+
+def idle(manager, timeout: float = 60.0) -> None:
+    """Wait until nothing runs, then check that nothing of a finished request stays."""
+    deadline = time.monotonic() + timeout
+    while manager.stats.snapshot()["running"] or manager.cache.rows or \
+            manager.input_queue.qsize() or manager.stats.snapshot()["waiting"]:
+        assert time.monotonic() < deadline, "requests still running"
+        time.sleep(0.05)
+    time.sleep(0.1)  # a cancellation is applied at the loop's next turn
+    for layer in manager.cache.layers:
+        assert layer.store.batch == 0 and layer.pool.used == 0
+    assert not manager.cache.reserved and manager.cache.rows_reserved == 0
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 from helpers import method_string
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import kvmix
 from kvmix.runtime.store import sealed_groups
@@ -250,6 +250,94 @@ def test_sampling_goes_through_the_per_request_processors(model):
         {"input_ids": prompts()[2], "request_id": "t", "sampling": Sampling(1e-4)}])
     for rid, prompt in zip("kpt", prompts()[:3], strict=True):
         assert results[rid].generated_tokens == alone(model, method, prompt), rid
+
+
+class OpenAIPenalties(LogitsProcessor):
+    """OpenAI's presence and frequency penalties over the tokens generated after ``start``,
+    written from their definition (the reference of the served sampler's)."""
+
+    def __init__(self, start: int, presence: float, frequency: float):
+        self.start, self.presence, self.frequency = start, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.clone()
+        for row, ids in enumerate(input_ids[:, self.start:].tolist()):
+            for token in set(ids):
+                scores[row, token] -= self.presence + self.frequency * ids.count(token)
+        return scores
+
+
+def reference(model, method: str, prompt: list[int], **kwargs) -> list[int]:
+    """generate's greedy tokens for ``prompt`` alone with transformers' own processors."""
+    runner = kvmix.prepare_model(model, method)
+    with torch.no_grad():
+        out = runner.generate(torch.tensor([prompt]), cache=kvmix.make_cache(runner, method),
+                              max_new_tokens=NEW, do_sample=False, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def test_penalties_bias_and_min_tokens_match_transformers_processors(model):
+    """Four greedy requests in one batch, each adjusting its logits another way, against
+    generate alone with transformers' processors (or OpenAI's definition written out):
+    repetition penalty; logit bias; min_tokens holding back an EOS that a bias forces; the
+    repetition penalty then presence and frequency penalties. Each differs from plain greedy."""
+    method = method_string("kivi2")
+    eos = 3
+    asks = {
+        "r": (Sampling(repetition_penalty=1.5), {"repetition_penalty": 1.5}),
+        "b": (Sampling(logit_bias=((7, 4.0), (9, -100.0))),
+              {"sequence_bias": {(7,): 4.0, (9,): -100.0}}),
+        "m": (Sampling(logit_bias=((eos, 60.0),), min_tokens=5),
+              {"sequence_bias": {(eos,): 60.0}, "min_new_tokens": 5}),
+        "p": (Sampling(repetition_penalty=1.3, presence_penalty=1.5, frequency_penalty=0.7),
+              {"repetition_penalty": 1.3}),
+    }
+    chosen = dict(zip(asks, prompts()[:4], strict=True))
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    results = run_requests(manager, [
+        {"input_ids": chosen[rid], "request_id": rid, "sampling": sampling, "eos_token_id": eos}
+        for rid, (sampling, _) in asks.items()])
+    for rid, (_, kwargs) in asks.items():
+        prompt = chosen[rid]
+        if rid == "p":
+            kwargs = {**kwargs, "logits_processor": LogitsProcessorList(
+                [OpenAIPenalties(len(prompt), 1.5, 0.7)])}
+        expected = reference(model, method, prompt, eos_token_id=eos, **kwargs)
+        assert results[rid].generated_tokens == expected, rid
+        assert expected != reference(model, method, prompt, eos_token_id=eos), rid
+    assert len(results["m"].generated_tokens) == 6
+
+
+def test_min_p_of_one_leaves_the_most_likely_token(model):
+    """min_p=1 keeps only the tokens as likely as the most likely one: a sampled request
+    (temperature 1.5) gives the greedy tokens; min_p=0.0 the same seed draws others."""
+    method = method_string("kivi2")
+    prompt = prompts()[1]
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    results = run_requests(manager, [
+        {"input_ids": prompt, "request_id": "one", "sampling": Sampling(1.5, min_p=1.0, seed=3)},
+        {"input_ids": prompt, "request_id": "none", "sampling": Sampling(1.5, seed=3)}])
+    assert results["one"].generated_tokens == alone(model, method, prompt)
+    assert results["none"].generated_tokens != results["one"].generated_tokens
+
+
+def test_sampling_refuses_values_the_sampler_cannot_compute(model):
+    """Each out-of-range number, a top_k beyond the vocabulary and a biased id outside it are
+    refused naming the parameter, before the request is queued."""
+    for kwargs, name in [({"top_k": 1 << 31}, "top_k"), ({"min_p": 1.5}, "min_p"),
+                         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                         ({"presence_penalty": 3.0}, "presence_penalty"),
+                         ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
+                         ({"min_tokens": -1}, "min_tokens")]:
+        with pytest.raises(ValueError, match=name):
+            Sampling(**kwargs)
+    manager = KVMixManager(model, method_string("kivi2"), 1e8, max_new_tokens=NEW)
+    vocab = model.config.vocab_size
+    for sampling, name in [(Sampling(1.0, top_k=vocab + 1), "top_k"),
+                           (Sampling(logit_bias=((vocab, 1.0),)), "logit_bias")]:
+        with pytest.raises(ValueError, match=name):
+            manager.add_request([1, 2, 3], sampling=sampling)
+    assert manager.input_queue.qsize() == 0
 
 
 def test_logprobs_come_from_the_logits_that_chose_each_token(model):

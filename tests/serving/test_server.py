@@ -22,17 +22,15 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import served_llama
+from conftest import SERVED_METHOD, SERVED_NEW, idle, served_llama, serving
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmix
 from kvmix.cli import main
 from kvmix.models.loading import load_tokenizer
-from kvmix.serving.paged import KVMixManager
-from kvmix.serving.server import Limits, Server, build_app
+from kvmix.serving.server import Limits
 
-METHOD = "kivi2:sink=4,residual=16,group=8"
-NEW = 24
+METHOD, NEW = SERVED_METHOD, SERVED_NEW
 TIMEOUT = 60.0
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land",
            "import numpy as np\n", "Water boils at", "The quick brown fox jumps over",
@@ -49,24 +47,6 @@ def model(tokenizer):
     return served_llama(tokenizer)
 
 
-@contextlib.contextmanager
-def serving(model, tokenizer, limits: Limits | None = None, requests: float = 4):
-    """(manager, server) on 127.0.0.1, a free port: a budget of ``requests`` requests of 200
-    tokens at once; stopped after the block."""
-    budget = KVMixManager(model, METHOD, 1e9).budget
-    memory = requests * budget.footprint(200) + budget.static
-    manager = KVMixManager(model, METHOD, memory, max_new_tokens=NEW, length=200)
-    server = Server(build_app(manager, tokenizer, "tiny", limits or Limits(max_tokens=NEW)),
-                    "127.0.0.1", 0)
-    manager.start()
-    server.start()
-    try:
-        yield manager, server
-    finally:
-        server.stop()
-        manager.stop(block=True)
-
-
 @pytest.fixture(scope="module")
 def served(model, tokenizer):
     """(manager, base url) of the module's server."""
@@ -80,19 +60,6 @@ def client(served):
     with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
         yield http
     idle(manager)
-
-
-def idle(manager, timeout: float = TIMEOUT) -> None:
-    """Wait until nothing runs, then check that nothing of a finished request stays."""
-    deadline = time.monotonic() + timeout
-    while manager.stats.snapshot()["running"] or manager.cache.rows or \
-            manager.input_queue.qsize() or manager.stats.snapshot()["waiting"]:
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.05)
-    time.sleep(0.1)  # a cancellation is applied at the loop's next turn
-    for layer in manager.cache.layers:
-        assert layer.store.batch == 0 and layer.pool.used == 0
-    assert not manager.cache.reserved and manager.cache.rows_reserved == 0
 
 
 def alone_ids(model, prompt: list[int], new: int = NEW) -> list[int]:
@@ -216,7 +183,12 @@ def test_the_openai_client_gets_an_answer_for_every_parameter(served, client, mo
     whole, text = asyncio.run(asynchronous())
     assert whole == text
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        api.completions.create(model="tiny", prompt="a", presence_penalty=0.5)
+        api.completions.create(model="tiny", prompt="a", presence_penalty=2.5)
+    penalised = api.completions.create(
+        model="tiny", prompt=PROMPTS[2], max_tokens=8, presence_penalty=0.5,
+        frequency_penalty=0.5, logit_bias={"5": -100}, extra_body={
+            "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2})
+    assert penalised.usage.completion_tokens >= 2
 
 
 def test_a_seeded_request_gives_the_same_text_every_time(served, client):
@@ -328,8 +300,17 @@ MALFORMED = [
     ("/v1/completions", {"prompt": "a", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("/v1/completions", {"prompt": "a", "stop": [""]}, "stop"),
     ("/v1/completions", {"prompt": "a", "logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"prompt": "a", "presence_penalty": 0.5}, "presence_penalty"),
-    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/completions", {"prompt": "a", "frequency_penalty": -3}, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "a", "repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/completions", {"prompt": "a", "min_p": 2}, "min_p"),
+    ("/v1/completions", {"prompt": "a", "min_tokens": 100, "max_tokens": 8}, "min_tokens"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "a", "top_k": 2**31}, "top_k"),
+    ("/v1/completions", {"prompt": "a", "top_k": 10**6, "temperature": 1}, "top_k"),
+    ("/v1/completions", {"prompt": [1, -5, 3]}, "prompt"),
     ("/v1/completions", {"prompt": "a", "echo": True}, "echo"),
     ("/v1/completions", {"prompt": "a", "best_of": 3}, "best_of"),
     ("/v1/completions", {"prompt": "a", "suffix": "b"}, "suffix"),

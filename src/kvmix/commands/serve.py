@@ -34,14 +34,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
                         help="tokens of one forward (prompts joining + one per running request)")
     parser.add_argument("--max-waiting", type=int, default=defaults.max_waiting,
-                        help="answer 429 beyond this many waiting requests (0: none refused)")
+                        help="answer 429 beyond this many waiting requests (0: no limit)")
     parser.add_argument("--fit-prompt", type=int, default=defaults.fit_prompt,
                         help="prompt tokens of the request the startup line sizes")
     parser.add_argument("--max-body", default=defaults.max_body,
                         help="largest request body, e.g. 4MB (413 beyond)")
-    parser.add_argument("--request-timeout", type=float, default=None,
+    parser.add_argument("--request-timeout", type=float, default=defaults.request_timeout,
                         help="seconds a request may take, waiting included (504 beyond; its "
-                             "pages return)")
+                             "pages return; 0: no deadline)")
     parser.add_argument("--api-key", default=None,
                         help="/v1/* require 'Authorization: Bearer KEY' (default: "
                              "$KVMIX_API_KEY; /health and /metrics stay open)")

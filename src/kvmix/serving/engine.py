@@ -72,13 +72,14 @@ class Served:
         (the others get ``child_ids``); None when the loop takes no more requests."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n={n!r} is invalid; expected an integer >= 1")
+        sampling = sampling or Sampling()
+        sampling.check_vocabulary(self.model.config.get_text_config().vocab_size)
         if self.background_thread_status.can_accept_new_requests() is not None:
             return None
         if request_id is None:
             with self._request_lock:
                 request_id = f"req_{self._request_counter}"
                 self._request_counter += 1
-        sampling = sampling or Sampling()
         config = self.generation_config
         state = ServedRequest(
             request_id=request_id, initial_tokens=list(input_ids), num_children=n - 1,

@@ -28,10 +28,10 @@ class ServeConfig:
     device: str = "cpu"
     max_tokens: int = 128  # a request's max_tokens when it sends none
     max_batch_tokens: int = 2048
-    max_waiting: int = 0  # 0: requests beyond the budget wait, however many
+    max_waiting: int = 256  # 429 beyond this many waiting requests (0: no limit)
     fit_prompt: int = 512  # the request the startup line sizes: prompt + max_tokens tokens
     max_body: str = "4MB"  # a request body beyond it gets 413
-    request_timeout: float | None = None  # seconds a request may take, waiting included
+    request_timeout: float = 600.0  # seconds a request may take, waiting included (0: none)
     api_key: str | None = None  # /v1/* require it (default: $KVMIX_API_KEY)
     drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM
 
@@ -41,7 +41,7 @@ class ServeConfig:
 
         return Limits(self.max_tokens, self.max_waiting,
                       int(parse_memory(self.max_body, "max_body")),
-                      self.request_timeout, self.api_key or os.environ.get("KVMIX_API_KEY"),
+                      self.request_timeout or None, self.api_key or os.environ.get("KVMIX_API_KEY"),
                       self.drain_timeout)
 
 

@@ -4,8 +4,14 @@ honoured or refused. A field the OpenAI API defines that kvmix serve does not ap
 with a message naming it unless it holds its neutral value; an unknown field is refused too.
 ``ParseError`` carries the message of the first problem, naming the field (HTTP 400).
 
-vLLM's meaning of each parameter is the reference; ``top_k``, ``ignore_eos`` and
-``stop_token_ids`` are vLLM's extensions, honoured too.
+Every field is bounded before any work: numbers to ranges the sampler computes without
+overflow, strings and lists to the ``MAX_*`` caps below (stop strings as OpenAI's: 4, here of
+at most 256 characters each), the body's JSON nesting to ``MAX_DEPTH``. The vocabulary bounds
+token ids, ``top_k`` and ``logit_bias`` where the server knows it (``Service.admit``).
+
+vLLM's meaning of each parameter is the reference; ``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos`` and ``stop_token_ids`` are vLLM's
+extensions, honoured too.
 """
 
 from __future__ import annotations
@@ -15,10 +21,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvmix.serving.sampling import Sampling
+from kvmix.serving.sampling import MAX_LOGIT_BIAS, Sampling
 
-MAX_CHOICES = 8
-MAX_STOPS = 4
+MAX_CHOICES = 8  # n
+MAX_STOPS = 4  # stop strings (OpenAI's limit)
+MAX_STOP_CHARS = 256  # characters of one stop string
+MAX_STOP_IDS = 64  # stop_token_ids
+MAX_PROMPTS = 64  # prompts of one completions request
+MAX_SEQUENCES = 64  # prompts x n of one request
+MAX_MESSAGES = 512  # messages of one chat request
+MAX_DEPTH = 16  # JSON nesting of a body (the deepest valid one nests 4 levels)
+MAX_ID = (1 << 31) - 1  # token ids and counts beyond any vocabulary or int32 sampler
 
 
 class ParseError(ValueError):
@@ -35,8 +48,7 @@ class StreamOptions(_Body):
 
 # fields of the OpenAI API kvmix serve does not apply: refused unless neutral
 NEUTRAL: dict[str, tuple] = {
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
-    "logit_bias": (None, {}), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
     "function_call": (None, "none"), "parallel_tool_calls": (None,),
     "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
@@ -44,7 +56,15 @@ NEUTRAL: dict[str, tuple] = {
     "service_tier": (None, "auto", "default"), "store": (None, False), "metadata": (None, {}),
 }
 
-Positive = Annotated[int, Field(ge=1)]
+Positive = Annotated[int, Field(ge=1, le=MAX_ID)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
+Ids = Annotated[list[TokenId], Field(min_length=1)]
+Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def Bounded(low: float, high: float) -> Any:
+    """A float field in [low, high], or None (the neutral value)."""
+    return Annotated[float, Field(ge=low, le=high)] | None
 
 
 class _Request(_Body):
@@ -54,18 +74,23 @@ class _Request(_Body):
     max_tokens: Positive | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # vLLM: -1 or 0, every token
+    top_k: Annotated[int, Field(ge=-1, le=MAX_ID)] | None = None  # -1 or 0: every token
+    min_p: Bounded(0, 1) = None
+    presence_penalty: Bounded(-2, 2) = None  # OpenAI's range
+    frequency_penalty: Bounded(-2, 2) = None
+    repetition_penalty: Bounded(0.01, 10) = None  # vLLM's and transformers' meaning
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] = 0
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] \
+        | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # the client's end user: logged, not used
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    logit_bias: Any = None
+    user: Annotated[str, Field(max_length=256)] | None = None  # logged, not used
 
     @model_validator(mode="after")
     def _neutral(self) -> _Request:
@@ -76,17 +101,24 @@ class _Request(_Body):
                                  "ignored); leave it out")
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only valid with stream=true")
-        if isinstance(self.stop, list) and any(not s for s in self.stop):
-            raise ValueError("stop holds an empty string; expected non-empty strings")
+        if any(not key.isdigit() for key in self.logit_bias or {}):
+            raise ValueError("logit_bias keys are token ids (strings of digits); got "
+                             f"{next(k for k in self.logit_bias if not k.isdigit())!r}")
         if self.n > 1 and not self.temperature:
             raise ValueError(f"n={self.n} asks for choices that would all be the same greedy "
                              "text (temperature 0, the default): set temperature > 0")
         return self
 
     def sampling(self, logprobs: int | None) -> Sampling:
-        return Sampling(temperature=self.temperature or 0.0,
-                        top_p=1.0 if self.top_p is None else self.top_p,
-                        top_k=max(self.top_k or 0, 0), seed=self.seed, logprobs=logprobs)
+        return Sampling(
+            temperature=self.temperature or 0.0, top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(self.top_k or 0, 0), seed=self.seed, logprobs=logprobs,
+            min_p=self.min_p or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            logit_bias=tuple((int(k), v) for k, v in sorted((self.logit_bias or {}).items())),
+            min_tokens=self.min_tokens)
 
     @property
     def stops(self) -> tuple[str, ...]:
@@ -96,7 +128,8 @@ class _Request(_Body):
 class CompletionRequest(_Request):
     """``/v1/completions``: one prompt or several (text or token ids), ``n`` choices each."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Ids | Annotated[list[str], Field(max_length=MAX_PROMPTS)] \
+        | Annotated[list[Ids], Field(max_length=MAX_PROMPTS)]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     best_of: Positive | None = None
     echo: Any = None
@@ -110,6 +143,9 @@ class CompletionRequest(_Request):
         if not self.prompt or any(not p for p in self.prompts):
             raise ValueError("prompt is empty; expected a string, a list of token ids, or a "
                              "list of either, none empty")
+        if len(self.prompts) * self.n > MAX_SEQUENCES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} ask for more than "
+                             f"{MAX_SEQUENCES} sequences; send fewer prompts per request")
         return self
 
     @property
@@ -145,7 +181,7 @@ class Message(_Body):
 class ChatRequest(_Request):
     """``/v1/chat/completions``: a conversation through the model's chat template."""
 
-    messages: Annotated[list[Message], Field(min_length=1)]
+    messages: Annotated[list[Message], Field(min_length=1, max_length=MAX_MESSAGES)]
     max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -203,6 +239,8 @@ def parse(body: Any, chat: bool) -> Ask:
     """A request body -> ``Ask``, or ``ParseError`` naming the first field at fault."""
     if not isinstance(body, dict):
         raise ParseError("the request body must be a JSON object")
+    if depth(body) > MAX_DEPTH:
+        raise ParseError(f"the request body nests deeper than {MAX_DEPTH} levels")
     try:
         request = (ChatRequest if chat else CompletionRequest).model_validate(body)
     except ValidationError as error:
@@ -217,6 +255,15 @@ def parse(body: Any, chat: bool) -> Ask:
                request.n, request.stops, tuple(request.stop_token_ids or ()),
                request.ignore_eos, request.stream, bool(options and options.include_usage),
                request.model)
+
+
+def depth(value: Any, limit: int = MAX_DEPTH) -> int:
+    """How deep JSON ``value`` nests (counted up to ``limit`` + 1: no deeper walk)."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((depth(child, limit - 1) for child in children
+                    if isinstance(child, (dict, list))), default=0)
 
 
 def _message(error: ValidationError) -> str:

@@ -16,6 +16,7 @@ step (``RequestFault`` names the requests at fault).
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,30 +50,78 @@ class RequestFault(Exception):
         self.causes = causes
 
 
+MIN_TEMPERATURE = 1e-5  # below it a request is greedy (vLLM's rule: 1/T would overflow)
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
+
+# name -> (low, high) of each number a request may set: ranges the sampler computes in float32
+# without overflow, inf or NaN (the vocabulary bounds top_k and the biased ids further)
+RANGES: dict[str, tuple[float, float]] = {
+    "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "top_k": (0, (1 << 31) - 1),
+    "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
+    "repetition_penalty": (0.01, 10.0), "min_tokens": (0, 1 << 31),
+    "logprobs": (0, MAX_LOGPROBS), "seed": (-(1 << 63), (1 << 64) - 1)}
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """How one request picks its tokens (the meaning of vLLM's ``SamplingParams``)."""
+    """How one request picks its tokens (the meaning of vLLM's ``SamplingParams``).
+
+    Every row's logits are first adjusted, in vLLM's order: ``min_tokens`` masks the tokens
+    that would end the text, ``logit_bias`` is added, then the repetition penalty (prompt and
+    output tokens: a positive logit divided, a negative one multiplied) and OpenAI's presence
+    and frequency penalties (output tokens: minus ``presence`` once, ``frequency`` per
+    occurrence). A greedy row takes the arg-max of the adjusted logits; a sampled one divides
+    by the temperature, keeps the tokens at least ``min_p`` times as likely as the most likely
+    one, then the top-k and top-p sets, and draws."""
 
     temperature: float = 0.0  # 0: greedy (the arg-max), as ``generate`` without sampling
     top_p: float = 1.0  # the smallest set of tokens whose probability reaches top_p
     top_k: int = 0  # the k most likely tokens; 0: every token
     seed: int | None = None  # the request's own generator; None: a random seed
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
+    min_p: float = 0.0  # tokens less likely than min_p x the most likely one are dropped
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # tokens generated before an end token (EOS, stop ids) may be picked
 
     def __post_init__(self):
-        checks = (("temperature", self.temperature, 0.0, 100.0),
-                  ("top_p", self.top_p, 0.0, 1.0), ("top_k", self.top_k, 0, 1 << 31),
-                  ("logprobs", 0 if self.logprobs is None else self.logprobs, 0, MAX_LOGPROBS),
-                  ("seed", 0 if self.seed is None else self.seed, -(1 << 63), (1 << 64) - 1))
-        for name, value, low, high in checks:
+        for name, (low, high) in RANGES.items():
+            value = getattr(self, name)
+            value = 0 if value is None else value
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not low <= value <= high or (name == "top_p" and value == 0):
                 bounds = "(0, 1]" if name == "top_p" else f"[{low}, {high}]"
                 raise ValueError(f"{name}={value!r} is invalid; expected a number in {bounds}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(self.logit_bias)} tokens; expected at "
+                             f"most {MAX_LOGIT_BIAS}")
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0 \
+                    or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias {token!r}: {bias!r} is invalid; expected a "
+                                 "token id >= 0 and a bias in [-100, 100]")
+
+    def check_vocabulary(self, vocab: int) -> None:
+        """``ValueError`` naming a token id or a top_k the vocabulary of ``vocab`` lacks."""
+        if self.top_k > vocab:
+            raise ValueError(f"top_k={self.top_k} is invalid; expected -1, 0 (every token) "
+                             f"or at most the vocabulary's {vocab}")
+        outside = [token for token, _ in self.logit_bias if token >= vocab]
+        if outside:
+            raise ValueError(f"logit_bias names token {outside[0]}, outside the vocabulary "
+                             f"[0, {vocab})")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether the row's logits change before it picks (penalties, bias, min_tokens)."""
+        return bool(self.logit_bias or self.min_tokens or self.presence_penalty
+                    or self.frequency_penalty or self.repetition_penalty != 1)
 
     def processor_kwargs(self) -> dict[str, Any]:
         """The request's values for transformers' per-request processors (none when greedy;
@@ -154,10 +203,11 @@ class ServedRunner(ModelRunner):
         logits = scores[0, : len(futures)]  # [N, V] (rows beyond are no request's)
         self._validate(logits, futures)
         states: list[ServedRequest] = [f.state for f in futures]
-        tokens = logits.argmax(-1)  # [N]
+        adjusted = _adjusted(logits, states)  # [N, V]
+        tokens = adjusted.argmax(-1)  # [N]
         sampled = [i for i, s in enumerate(states) if not _sampling(s).greedy]
         if sampled:
-            tokens[sampled] = self._draw(logits[sampled], [futures[i] for i in sampled])
+            tokens[sampled] = self._draw(adjusted[sampled], [futures[i] for i in sampled])
         output_ids[0, : len(states)].copy_(tokens)
         if self.return_logprobs:
             chosen = _logprobs(logits, tokens, states)  # [N]
@@ -182,13 +232,16 @@ class ServedRunner(ModelRunner):
 
     def _draw(self, logits: torch.Tensor, futures: list[FutureRequestState]) -> torch.Tensor:
         """Sampled rows' tokens: [S, V] logits through the per-request processors some row
-        sets (top-k and top-p sort the vocabulary: not for nothing), one uniform draw per row
-        from its own generator, inverted through the row's distribution -> [S]."""
+        sets (top-k and top-p sort the vocabulary: not for nothing), min-p after the
+        temperature, one uniform draw per row from its own generator, inverted through the
+        row's distribution -> [S]."""
         for processor in self.logit_processor.logits_processor:
             if any(key in f.state.logit_processor_kwargs for f in futures
                    for key in processor.supported_kwargs):
                 args = processor.prepare_tensor_args(futures).to(logits.device)
                 logits = processor(logits, args)
+            if "temperature" in processor.supported_kwargs:
+                logits = _min_p(logits, [_sampling(f.state).min_p for f in futures])
         cdf = torch.softmax(logits, dim=-1).cumsum(-1)  # [S, V]
         draws = torch.stack([torch.rand((), generator=f.state.generator, device=logits.device)
                              for f in futures])  # [S]
@@ -198,6 +251,63 @@ class ServedRunner(ModelRunner):
 
 def _sampling(state: RequestState) -> Sampling:
     return getattr(state, "sampling", None) or Sampling()
+
+
+def _adjusted(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
+    """[N, V] logits -> the same with each asking row's min_tokens mask, logit bias and
+    penalties applied (a copy; ``logits`` itself when no row asks)."""
+    rows = [i for i, state in enumerate(states) if _sampling(state).adjusts]
+    if not rows:
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        logits[i] = _adjust(logits[i], states[i])
+    return logits
+
+
+def _adjust(row: torch.Tensor, state: RequestState) -> torch.Tensor:
+    """One row's [V] logits adjusted by its request's ``Sampling`` (see there)."""
+    sampling = _sampling(state)
+    prompt, output = history(state)
+    vocab = row.shape[-1]
+    if len(output) < sampling.min_tokens:
+        ends = [t for t in getattr(state, "_eos_token_ids", ()) if 0 <= t < vocab]
+        row[ends] = -math.inf
+    if sampling.logit_bias:
+        ids, biases = zip(*sampling.logit_bias, strict=True)
+        row[list(ids)] += torch.tensor(biases, dtype=row.dtype, device=row.device)
+    if sampling.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool, device=row.device)
+        seen[torch.tensor(prompt + output, dtype=torch.long, device=row.device)] = True
+        penalty = sampling.repetition_penalty
+        row = torch.where(seen, torch.where(row > 0, row / penalty, row * penalty), row)
+    if (sampling.presence_penalty or sampling.frequency_penalty) and output:
+        counts = torch.bincount(torch.tensor(output, device=row.device),
+                                minlength=vocab)[:vocab].to(row.dtype)  # [V]
+        row = row - sampling.frequency_penalty * counts \
+            - sampling.presence_penalty * (counts > 0).to(row.dtype)
+    return row
+
+
+def history(state: RequestState) -> tuple[list[int], list[int]]:
+    """(prompt, output) token ids of a request, whether or not transformers soft-reset it
+    (which moves the output so far into its ``initial_tokens``)."""
+    true_prompt = getattr(state, "_true_initial_tokens", 0)
+    if true_prompt:
+        return (state.initial_tokens[:true_prompt],
+                state.initial_tokens[true_prompt:] + state.generated_tokens)
+    return state.initial_tokens, state.generated_tokens
+
+
+def _min_p(logits: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """[S, V] logits with each row's tokens below its min_p x its most likely token's
+    probability masked (rows with min_p 0 unchanged)."""
+    if not any(min_ps):
+        return logits
+    probs = torch.softmax(logits, dim=-1)  # [S, V]
+    floor = torch.tensor(min_ps, dtype=probs.dtype, device=probs.device)[:, None] \
+        * probs.amax(-1, keepdim=True)  # [S, 1]
+    return logits.masked_fill(probs < floor, -math.inf)
 
 
 def _logprobs(logits: torch.Tensor, tokens: torch.Tensor,

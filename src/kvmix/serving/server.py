@@ -10,8 +10,10 @@ started continuous-batching manager (``KVMixManager``, or ``TransformersManager`
   echoed and logged, never used as a key.
 * **Faults** stay with their request: the loop contains a failed step (``engine``), the request
   at fault gets a 500 with the cause (a streamed one a last chunk with the error).
-* **Limits and access**: bodies beyond ``max_body`` get 413 before they are read whole;
-  tokenization and chat templates run in a worker thread; a request past ``request_timeout``,
+* **Limits and access**: headers beyond ``MAX_HEADERS`` get 431, bodies beyond ``max_body``
+  413 before they are read whole; every field is bounded by ``protocol`` (400); parsing,
+  tokenization and chat templates run in a worker thread; beyond ``max_waiting`` waiting
+  prompts a request gets 429; a request past ``request_timeout`` (both on by default),
   or whose client went away, is cancelled and its pages return; with ``api_key``, ``/v1/*``
   needs ``Authorization: Bearer KEY`` (compared in constant time), ``/health`` and
   ``/metrics`` stay open.
@@ -46,6 +48,7 @@ from kvmix.serving.text import ChoiceText, Delta, Token
 
 LOG = logging.getLogger("kvmix.serve")
 X_REQUEST_ID = "x-request-id"
+MAX_HEADERS = 32 << 10  # bytes of a request's headers (431 beyond)
 POLL = 0.25  # seconds between checks of a waiting request's client, deadline and the server
 
 
@@ -54,9 +57,9 @@ class Limits:
     """What the server allows and requires."""
 
     max_tokens: int = 128  # a request's max_tokens when it sends none
-    max_waiting: int = 0  # 429 beyond this many waiting requests (0: none refused)
+    max_waiting: int = 256  # 429 beyond this many waiting requests (0: none refused)
     max_body: int = 4 << 20  # bytes of a request body (413 beyond)
-    request_timeout: float | None = None  # seconds a request may take, waiting included
+    request_timeout: float | None = 600.0  # seconds a request may take, waiting included
     api_key: str | None = None  # /v1/* require "Authorization: Bearer <api_key>"
     drain_timeout: float = 30.0  # seconds running requests may take after drain()
 
@@ -168,13 +171,20 @@ class Service:
         if any(t >= self.vocab for t in ask.stop_token_ids):
             raise bad_request(f"stop_token_ids holds an id outside the vocabulary "
                               f"[0, {self.vocab})")
+        try:
+            ask.sampling.check_vocabulary(self.vocab)
+        except ValueError as error:
+            raise bad_request(str(error)) from None
+        if ask.sampling.min_tokens > max_tokens:
+            raise bad_request(f"min_tokens={ask.sampling.min_tokens} is invalid; expected at "
+                              f"most max_tokens ({max_tokens})")
         for prompt in prompts:
             why = self.manager.refusal(len(prompt), max_tokens, ask.n)
             if why:
                 raise bad_request(why)
         waiting = self.figures()["waiting"] + self.manager.input_queue.qsize()
         limit = self.limits.max_waiting
-        if limit and waiting >= limit:
+        if limit and waiting + len(prompts) > limit:
             raise Refused(429, f"{waiting:.0f} requests are waiting (max_waiting={limit}): "
                           "retry later", "overloaded", "rate_limit_error")
 
@@ -233,7 +243,8 @@ class Run:
         self.stops = stops
         logprobs = ask.sampling.logprobs is not None
         self.choices = [
-            Choice(i * ask.n + j, rid, ChoiceText(service.tokenizer, ask.stop, logprobs), stops)
+            Choice(i * ask.n + j, rid, ChoiceText(service.tokenizer, ask.stop, logprobs,
+                                                  ask.sampling.min_tokens), stops)
             for i in range(len(prompts))
             for j, rid in enumerate(self._ids(i))]
         self.max_tokens = max_tokens
@@ -448,15 +459,7 @@ async def _answer(service: Service, request: Request, chat: bool) -> Response:
     client_id = request.headers.get(X_REQUEST_ID)
     run, streaming = None, False
     try:
-        try:
-            body = json.loads(await request.body())
-        except ValueError:
-            raise bad_request("the request body is not valid JSON") from None
-        try:
-            ask = parse(body, chat)
-        except ParseError as error:
-            raise bad_request(str(error)) from None
-        prompts = await asyncio.to_thread(_encode, service, ask)
+        ask, prompts = await asyncio.to_thread(_read, service, await request.body(), chat)
         max_tokens = ask.max_tokens or service.limits.max_tokens
         service.admit(ask, prompts, max_tokens)
         run = Run(service, ask, prompts, max_tokens, client_id)
@@ -478,9 +481,19 @@ async def _answer(service: Service, request: Request, chat: bool) -> Response:
             run.close()
 
 
-def _encode(service: Service, ask: Ask) -> list[list[int]]:
+def _read(service: Service, body: bytes, chat: bool) -> tuple[Ask, list[list[int]]]:
+    """A request body -> what it asks and its prompts' token ids (in a worker thread: parsing
+    and tokenizing a large body stall no one), or a 400 naming what is wrong."""
     try:
-        return service.encode(ask)
+        ask = parse(json.loads(body), chat)
+    except RecursionError:
+        raise bad_request("the request body nests too deep to parse") from None
+    except ParseError as error:
+        raise bad_request(str(error)) from None
+    except ValueError:  # json's errors, invalid UTF-8 among them
+        raise bad_request("the request body is not valid JSON (UTF-8)") from None
+    try:
+        return ask, service.encode(ask)
     except Refused:
         raise
     except Exception as error:  # a chat template or tokenizer that refuses the input
@@ -504,8 +517,9 @@ async def _streamed(run: Run) -> AsyncIterator[str]:
 
 
 class Gate:
-    """ASGI middleware in front of the app: ``/v1/*`` refused while draining (503) or without
-    the API key (401); bodies beyond ``max_body`` refused (413) before they are read whole."""
+    """ASGI middleware in front of the app: headers beyond ``MAX_HEADERS`` bytes refused
+    (431); ``/v1/*`` refused while draining (503) or without the API key (401); bodies beyond
+    ``max_body`` refused (413) before they are read whole."""
 
     def __init__(self, app: FastAPI, service: Service):
         self.app, self.service = app, service
@@ -515,7 +529,14 @@ class Gate:
         return self.app.state
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADERS:
+            refusal = Refused(431, f"the request's headers exceed {MAX_HEADERS} bytes",
+                              "too_large", "invalid_request_error")
+            self.service.metrics.failure(refusal.cause)
+            return await refusal.response()(scope, receive, send)
+        if not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
         refusal = self._refusal(dict(scope["headers"]))
         if refusal is None and scope["method"] == "POST":

@@ -1,8 +1,10 @@
 """One choice's text as its tokens arrive (SPEC §11): incremental detokenization (the tokenizer's
 own ``DecodeStream``, special tokens skipped), stop strings — the text ends before the first
 one found and never shows part of one, so text that could begin a stop string is held back
-until the next tokens tell — and the log-probability entries of the tokens whose text is
-released."""
+until the next tokens tell; as in vLLM, the text of the first ``min_tokens`` tokens holds no
+stop string — and the log-probability entries of the tokens whose text is released. Matching
+costs each token time in its own text and the stop strings' lengths (bounded by the
+protocol), not in the text so far."""
 
 from __future__ import annotations
 
@@ -37,9 +39,13 @@ class ChoiceText:
     excludes it), ``count`` the tokens it consumed (the one that completed a stop string
     included)."""
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), logprobs: bool = False):
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), logprobs: bool = False,
+                 min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
+        self.longest = max((len(s) for s in self.stop), default=0)
+        self.min_tokens = min_tokens
+        self.searched = 0  # the text before it holds no stop string
         self.logprobs = logprobs
         self.stream = DecodeStream([], skip_special_tokens=True)
         self.text = ""
@@ -67,7 +73,10 @@ class ChoiceText:
                              (tops[i] if tops else [])]
             self.tokens.append(token)
             self.text += piece
-            self._find_stop(token.start)
+            if self.count <= self.min_tokens:
+                self.searched = len(self.text)
+            else:
+                self._find_stop(token.start)
         if self.stopped:
             return self._release(len(self.text))
         return self._release(len(self.text) - self._held())
@@ -78,8 +87,7 @@ class ChoiceText:
 
     def _find_stop(self, since: int) -> None:
         """Cut the text at the first stop string that the newest piece completes."""
-        longest = max((len(s) for s in self.stop), default=0)
-        start = max(since - longest + 1, 0)
+        start = max(since - self.longest + 1, self.searched)
         found = [at for at in (self.text.find(s, start) for s in self.stop) if at >= 0]
         if found:
             self.text = self.text[: min(found)]
@@ -87,8 +95,9 @@ class ChoiceText:
 
     def _held(self) -> int:
         """Characters at the end of the text that could begin a stop string."""
-        return max((k for s in self.stop for k in range(len(s) - 1, 0, -1)
-                    if self.text.endswith(s[:k])), default=0)
+        tail = self.text[max(len(self.text) - self.longest, self.searched):]
+        return max((k for s in self.stop for k in range(min(len(s) - 1, len(tail)), 0, -1)
+                    if tail.endswith(s[:k])), default=0)
 
     def _release(self, end: int) -> Delta:
         """Text up to ``end`` and the tokens whose text it holds whole (once a stop string cut
