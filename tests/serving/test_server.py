@@ -526,6 +526,10 @@ def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
         def broken(*args):
             raise RuntimeError("the loop breaks")
 
+        deadline = time.monotonic() + TIMEOUT
+        while manager.batch_processor is None:  # the loop thread builds it once started
+            assert time.monotonic() < deadline, "the loop never built its batch processor"
+            time.sleep(0.01)
         manager.batch_processor.prepare_next_batch = broken
         manager._wake_up_loop.set()
         server.thread.join(10)
