@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -189,6 +190,34 @@ def test_the_openai_client_gets_an_answer_for_every_parameter(served, client, mo
         frequency_penalty=0.5, logit_bias={"5": -100}, extra_body={
             "repetition_penalty": 1.2, "min_p": 0.1, "min_tokens": 2})
     assert penalised.usage.completion_tokens >= 2
+
+
+VLLM_PYTHON = Path(__file__).parents[2] / ".venv-vllm" / "bin" / "python"
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no .venv-vllm (make vllm)")
+@pytest.mark.parametrize("backend", ["openai", "openai-chat"])
+def test_vllms_benchmark_client_runs_unmodified(served, client, tokenizer, tmp_path, backend):
+    """vLLM's own serving benchmark (``vllm bench serve``: random data, a local tokenizer,
+    ``repetition_penalty`` in every completions request) against the server: every request
+    completes with the output length it asked for."""
+    _, url = served
+    tokenizer.save_pretrained(tmp_path)
+    endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
+    run = subprocess.run(
+        [str(VLLM_PYTHON), "-m", "kvmix.vllm.bench", "--backend", backend, "--base-url", url,
+         "--endpoint", endpoint, "--model", "tiny", "--tokenizer", str(tmp_path),
+         "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
+         "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos", "--seed", "0",
+         "--disable-tqdm"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    figures = dict(line.split(":", 1) for line in run.stdout.splitlines()
+                   if line.startswith(("Successful requests", "Failed requests",
+                                       "Total generated tokens")))
+    assert {k: int(v) for k, v in figures.items()} == {
+        "Successful requests": 6, "Failed requests": 0, "Total generated tokens": 48}, \
+        run.stdout[-3000:]
 
 
 def test_a_seeded_request_gives_the_same_text_every_time(served, client):
