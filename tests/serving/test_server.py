@@ -285,7 +285,9 @@ def test_logprobs_in_each_endpoints_format(client, tokenizer):
     content = chat["logprobs"]["content"]
     assert "".join(c["token"] for c in content) == chat["message"]["content"]
     assert all(len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["token"] == c["token"]
-               and bytes(c["bytes"]).decode() == c["token"] for c in content)
+               and c["bytes"] and c["top_logprobs"][0]["bytes"] == c["bytes"] for c in content)
+    whole = b"".join(bytes(c["bytes"]) for c in content)  # a character's parts joined
+    assert whole.decode(errors="ignore") == chat["message"]["content"]
     plain = client.post("/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 10,
                                                  "ignore_eos": True}).json()["choices"][0]
     assert plain["logprobs"] is None and plain["text"] == choice0["text"]
@@ -551,6 +553,8 @@ def test_a_drain_refuses_new_requests_and_finishes_running_ones(model, tokenizer
 
 
 def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
+    """The loop dies under a request: that request fails (a fault or a refusal, never counted
+    as draining) and the server stops with exit code 1."""
     with serving(model, tokenizer) as (manager, server):
         def broken(*args):
             raise RuntimeError("the loop breaks")
@@ -560,9 +564,16 @@ def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
             assert time.monotonic() < deadline, "the loop never built its batch processor"
             time.sleep(0.01)
         manager.batch_processor.prepare_next_batch = broken
-        manager._wake_up_loop.set()
+        with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            answer = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
         server.thread.join(10)
         assert not server.thread.is_alive() and server.service.exit_code == 1
+        assert answer.status_code in (500, 503)  # failed by the loop, or refused after it
+        registry = server.service.metrics.registry
+        failed = {cause: registry.get_sample_value("kvmix:request_failure_total", {
+            "model_name": "tiny", "cause": cause}) or 0 for cause in
+            ("fault", "loop_died", "draining")}
+        assert failed["fault"] + failed["loop_died"] == 1 and failed["draining"] == 0
 
 
 @pytest.mark.process
@@ -615,10 +626,11 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120) -> N
 
 def test_models_health_and_metrics(served, client):
     """The gateway gauges and the cache's figures, through prometheus_client's parser; the
-    request histograms and counters move as requests end."""
+    request histograms and counters move as requests end; no /docs or /openapi.json."""
     manager, _ = served
     assert client.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["tiny"]
+    assert all(client.get(path).status_code == 404 for path in ("/docs", "/openapi.json"))
     before = metrics(client)
     client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 4,
                                          "ignore_eos": True})

@@ -30,6 +30,7 @@ from kvmix.runtime.accounting import layout, segment_bytes
 from kvmix.runtime.cache import max_pages
 
 MOST_ROWS = 1024  # transformers' own cap on the requests of one batch
+FOOTPRINTS = 4096  # request sizes whose footprint is remembered
 
 
 @dataclass
@@ -66,6 +67,8 @@ class Budget:
     def footprint(self, tokens: int) -> float:
         """Bytes one request holds at ``tokens`` tokens, the planner's formula."""
         if tokens not in self._footprints:
+            if len(self._footprints) >= FOOTPRINTS:  # a bounded memo, whatever clients ask
+                self._footprints.clear()
             parts = kv_bytes(self.method, self.arch, 1, tokens, self.dtype)
             self._footprints[tokens] = sum(parts.values()) - parts["static"]
         return self._footprints[tokens]

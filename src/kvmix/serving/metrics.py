@@ -91,7 +91,7 @@ class Metrics:
 
     def failure(self, cause: str) -> None:
         """A request failed: ``bad_request``, ``fault``, ``timeout``, ``disconnected``,
-        ``draining``, ``overloaded``, ``unauthorized``, ``too_large``."""
+        ``draining``, ``loop_died``, ``overloaded``, ``unauthorized``, ``too_large``."""
         self.failed.labels(self.model, cause).inc()
 
     def exposition(self) -> bytes:

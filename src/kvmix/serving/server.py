@@ -136,15 +136,16 @@ class Service:
             if self.loop_died():
                 LOG.error("the generation loop died (%s): stopping with exit code 1",
                           self.manager.background_thread_status.fatal_error)
-                self._end(1, "the generation loop died")
+                self._end(1, "the generation loop died", "loop_died")
             elif self.draining_since is not None and (
                     not self.runs or time.monotonic() - self.draining_since
                     > self.limits.drain_timeout):
-                self._end(0, "the server shut down before the request finished")
+                self._end(0, "the server shut down before the request finished",
+                          "draining")
 
-    def _end(self, code: int, why: str) -> None:
+    def _end(self, code: int, why: str, cause: str) -> None:
         for run in list(self.runs):
-            run.abort(Refused(503, why, "draining"))
+            run.abort(Refused(503, why, cause))
         self.exit_code = code
         self.stop()
 
@@ -267,7 +268,8 @@ class Run:
                 streaming=True, eos_token_id=sorted(self.stops) or -1,
                 sampling=self.ask.sampling, n=self.ask.n)
             if added is None:
-                raise Refused(503, "the server is not taking requests", "draining")
+                raise Refused(503, "the server is not taking requests",
+                              "loop_died" if self.service.loop_died() else "draining")
 
     def abort(self, refusal: Refused) -> None:
         self.queue.put_nowait((None, refusal))
@@ -395,15 +397,22 @@ class Run:
         if self.ask.sampling.logprobs is None:
             return None
         if self.ask.chat:
-            return {"content": [{"token": t.text, "logprob": t.logprob,
-                                 "bytes": list(t.text.encode()),
-                                 "top_logprobs": [{"token": s, "logprob": lp,
-                                                   "bytes": list(s.encode())}
-                                                  for s, lp in t.top]} for t in tokens]}
+            return {"content": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.raw),
+                                 "top_logprobs": [{"token": s, "logprob": lp, "bytes": list(b)}
+                                                  for s, lp, b in t.top]} for t in tokens]}
         return {"tokens": [t.text for t in tokens],
                 "token_logprobs": [t.logprob for t in tokens],
-                "top_logprobs": [dict(t.top) for t in tokens],
+                "top_logprobs": [_most_likely_first(t.top) for t in tokens],
                 "text_offset": [t.start for t in tokens]}
+
+
+def _most_likely_first(top: list[tuple[str, float, bytes]]) -> dict[str, float]:
+    """Completions' alternatives as OpenAI's text -> logprob map: where two tokens decode to
+    the same text, the more likely one's entry (``top`` comes most likely first)."""
+    entries: dict[str, float] = {}
+    for text, logprob, _ in top:
+        entries.setdefault(text, logprob)
+    return entries
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -423,7 +432,8 @@ def build_app(manager: Any, tokenizer: Any, name: str, limits: Limits | None = N
         yield
         watcher.cancel()
 
-    app = FastAPI(lifespan=lifespan)
+    # no /docs, /redoc or /openapi.json: the API is OpenAI's, and they would be open
+    app = FastAPI(lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
 
     @app.post("/v1/completions")

@@ -8,10 +8,15 @@ protocol), not in the text so far."""
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers.decoders import DecodeStream
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
 @dataclass
@@ -22,8 +27,9 @@ class Token:
     id: int
     text: str
     logprob: float | None = None
-    top: list[tuple[str, float]] = field(default_factory=list)
+    top: list[tuple[str, float, bytes]] = field(default_factory=list)  # (text, logprob, bytes)
     start: int = 0  # where its text begins in the choice's text
+    raw: bytes = b""  # the token's own bytes (part of a character, where it ends mid-way)
 
 
 @dataclass
@@ -69,8 +75,9 @@ class ChoiceText:
             token = Token(token_id, piece, start=len(self.text))
             if self.logprobs:
                 token.logprob = logprobs[i] if logprobs else None
-                token.top = [(self.tokenizer.decode([alt]), lp) for alt, lp in
-                             (tops[i] if tops else [])]
+                token.raw = token_bytes(self.tokenizer, token_id)
+                token.top = [(self.tokenizer.decode([alt]), lp, token_bytes(self.tokenizer, alt))
+                             for alt, lp in (tops[i] if tops else [])]
             self.tokens.append(token)
             self.text += piece
             if self.count <= self.min_tokens:
@@ -112,3 +119,28 @@ class ChoiceText:
             delta.tokens.append(token)
             self.sent_tokens += 1
         return delta
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The bytes a token stands for, whole even where it ends inside a character (its decoded
+    text is then empty or U+FFFD): byte-level BPE's alphabet mapped back, SentencePiece's
+    ``<0xHH>`` pieces and ``▁`` spaces, else the token's decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(int(token_id))
+    if piece is None or piece in tokenizer.all_special_tokens:
+        return tokenizer.decode([token_id]).encode()
+    if type(tokenizer._tokenizer.decoder).__name__ == "ByteLevel":
+        table = _byte_level()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    match = BYTE_PIECE.fullmatch(piece)
+    if match:
+        return bytes([int(match.group(1), 16)])
+    if "\u2581" in piece:
+        return piece.replace("\u2581", " ").encode()
+    return tokenizer.decode([token_id]).encode()
+
+
+@functools.cache
+def _byte_level() -> dict[str, int]:
+    """Byte-level BPE's printable character of each byte, inverted."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
