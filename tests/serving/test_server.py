@@ -552,6 +552,37 @@ def test_a_drain_refuses_new_requests_and_finishes_running_ones(model, tokenizer
         assert not server.thread.is_alive() and server.service.exit_code == 0
 
 
+def test_a_drain_waits_for_a_request_still_being_tokenized(model, tokenizer, monkeypatch):
+    """A request that arrived before the drain but is still in its tokenizer (a slow one
+    here) is answered in full before the server stops."""
+    from kvmix.serving.server import Service
+
+    entered, encode = threading.Event(), Service.encode
+
+    def slow(service, ask):
+        entered.set()
+        time.sleep(1.0)
+        return encode(service, ask)
+
+    monkeypatch.setattr(Service, "encode", slow)
+    answers = []
+    with serving(model, tokenizer, Limits(max_tokens=NEW, drain_timeout=60)) as (_, server), \
+            httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+        sender = threading.Thread(target=lambda: answers.append(http.post(
+            "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 6,
+                                     "ignore_eos": True})))
+        sender.start()
+        assert entered.wait(TIMEOUT)
+        server.service.drain()
+        time.sleep(0.3)  # the drain's watch looks every 50 ms
+        assert server.service.exit_code is None  # it waits for the request
+        sender.join(TIMEOUT)
+        server.thread.join(10)
+        assert not server.thread.is_alive() and server.service.exit_code == 0
+    assert answers[0].status_code == 200, answers[0].text
+    assert answers[0].json()["usage"]["completion_tokens"] == 6
+
+
 def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
     """The loop dies under a request: that request fails (a fault or a refusal, never counted
     as draining) and the server stops with exit code 1."""

@@ -106,6 +106,7 @@ class Service:
         self.manager, self.tokenizer, self.name, self.limits = manager, tokenizer, name, limits
         self.metrics = Metrics(self.figures, name)
         self.runs: set[Run] = set()
+        self.arrived = 0  # /v1 requests admitted by the gate and not yet answered in full
         self.draining_since: float | None = None
         self.exit_code: int | None = None  # set when the server should stop
         self.stop: Callable[[], None] = lambda: None  # set by ``Server``
@@ -138,7 +139,7 @@ class Service:
                           self.manager.background_thread_status.fatal_error)
                 self._end(1, "the generation loop died", "loop_died")
             elif self.draining_since is not None and (
-                    not self.runs or time.monotonic() - self.draining_since
+                    not self.arrived or time.monotonic() - self.draining_since
                     > self.limits.drain_timeout):
                 self._end(0, "the server shut down before the request finished",
                           "draining")
@@ -539,24 +540,30 @@ class Gate:
         return self.app.state
 
     async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        """Refuse what the gate refuses; count each /v1 request it lets in from its first
+        byte to its answer's last (a drain waits for it: read, tokenized, queued or running)."""
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
         if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADERS:
             refusal = Refused(431, f"the request's headers exceed {MAX_HEADERS} bytes",
                               "too_large", "invalid_request_error")
-            self.service.metrics.failure(refusal.cause)
-            return await refusal.response()(scope, receive, send)
-        if not scope["path"].startswith("/v1/"):
+        elif not scope["path"].startswith("/v1/"):
             return await self.app(scope, receive, send)
-        refusal = self._refusal(dict(scope["headers"]))
-        if refusal is None and scope["method"] == "POST":
-            body, refusal = await self._body(receive, dict(scope["headers"]))
-            if refusal is None:
-                receive = _replay(body, receive)
-        if refusal is not None:
-            self.service.metrics.failure(refusal.cause)
-            return await refusal.response()(scope, receive, send)
-        return await self.app(scope, receive, send)
+        else:
+            refusal = self._refusal(headers)
+        if refusal is None:
+            self.service.arrived += 1
+            try:
+                if scope["method"] == "POST":
+                    body, refusal = await self._body(receive, headers)
+                    receive = _replay(body, receive)
+                if refusal is None:
+                    return await self.app(scope, receive, send)
+            finally:
+                self.service.arrived -= 1
+        self.service.metrics.failure(refusal.cause)
+        return await refusal.response()(scope, receive, send)
 
     def _refusal(self, headers: dict[bytes, bytes]) -> Refused | None:
         key = self.service.limits.api_key
