@@ -34,6 +34,8 @@ from kvmix.serving.replicas import FreePagesRouter, KVUsagePolicy, application
 pytestmark = pytest.mark.process  # a local Ray cluster: not in make check
 METHOD = "kivi2:sink=4,residual=16,group=8"
 TIMEOUT = 60.0
+KEY = "ray-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time",
            "Water boils at", "1, 2, 3, 4,", "Dear Sir or Madam,"]
 
@@ -75,8 +77,14 @@ def served(cluster, model_folder):
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = ServeConfig(model=model_folder, method=METHOD, memory="300KB", fit_prompt=64,
                          max_tokens=24, port=port)
-    serve.run(application(config, Scale(replicas=2, cpus=0.5, per_node=1)), name="kvmix",
-              route_prefix="/")
+    # the key only in the driver's environment, while the app is bound: the nodes' raylets,
+    # started before, never had it
+    os.environ["KVMIX_API_KEY"] = KEY
+    try:
+        app = application(config, Scale(replicas=2, cpus=0.5, per_node=1))
+    finally:
+        del os.environ["KVMIX_API_KEY"]
+    serve.run(app, name="kvmix", route_prefix="/")
     yield f"http://127.0.0.1:{port}", config
 
 
@@ -115,7 +123,7 @@ def test_one_replica_per_node_and_greedy_outputs_as_alone(served, model_folder, 
     assert len({r.node for r in replicas()}) == 2
 
     async def send_all():
-        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as http:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, headers=AUTH) as http:
             return await asyncio.gather(*(http.post("/v1/completions", json={
                 "prompt": p, "max_tokens": 24}) for p in PROMPTS))
 
@@ -125,12 +133,31 @@ def test_one_replica_per_node_and_greedy_outputs_as_alone(served, model_folder, 
         [alone(model_folder, tokenizer, p) for p in PROMPTS]
 
 
+def test_the_key_guards_every_replica_on_every_node(served):
+    """The key was in the driver's environment only, never in the nodes' (their raylets
+    started before it was set): the replicas refuse requests without it (401) and /docs, and
+    serve them with it."""
+    url, _ = served
+
+    async def send(headers: dict) -> list[int]:
+        async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, headers=headers) as http:
+            answers = await asyncio.gather(*(http.post("/v1/completions", json={
+                "prompt": p, "max_tokens": 2}) for p in PROMPTS))
+            return [a.status_code for a in answers]
+
+    assert asyncio.run(send({})) == [401] * len(PROMPTS)
+    assert asyncio.run(send({"Authorization": "Bearer wrong"})) == [401] * len(PROMPTS)
+    assert asyncio.run(send(AUTH)) == [200] * len(PROMPTS)
+    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+        assert http.get("/docs").status_code == 404
+
+
 def test_requests_go_where_their_pages_fit_and_wait_when_none_has_room(served):
     """A long request reserves most of one replica's pages (its room drops to 0 while it
     holds one request): the next requests go to the other replica; with no room left
     anywhere, one more waits and is answered, not refused."""
     url, _ = served
-    with httpx.Client(base_url=url, timeout=TIMEOUT) as http, \
+    with httpx.Client(base_url=url, timeout=TIMEOUT, headers=AUTH) as http, \
             http.stream("POST", "/v1/completions", json={
                 "prompt": "a b c", "max_tokens": 800, "ignore_eos": True,
                 "stream": True}) as long:
@@ -142,7 +169,7 @@ def test_requests_go_where_their_pages_fit_and_wait_when_none_has_room(served):
         before = stats(full)["started"]
 
         async def two():
-            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT) as a:
+            async with httpx.AsyncClient(base_url=url, timeout=TIMEOUT, headers=AUTH) as a:
                 return await asyncio.gather(*(a.post("/v1/completions", json={
                     "prompt": p, "max_tokens": 24, "ignore_eos": True}) for p in PROMPTS[:2]))
 
@@ -165,7 +192,7 @@ def test_a_killed_replica_fails_its_requests_and_serve_restarts_it(served):
     """ray.kill of the replica holding a stream: the stream ends (an error, never a hang), a
     new request is served by the other replica, and Serve brings the deployment back to two."""
     url, _ = served
-    with httpx.Client(base_url=url, timeout=TIMEOUT) as http:
+    with httpx.Client(base_url=url, timeout=TIMEOUT, headers=AUTH) as http:
         with http.stream("POST", "/v1/completions", json={
                 "prompt": "x", "max_tokens": 800, "ignore_eos": True, "stream": True}) as s:
             lines = s.iter_lines()
@@ -173,10 +200,14 @@ def test_a_killed_replica_fails_its_requests_and_serve_restarts_it(served):
             time.sleep(1.5)  # the replicas report again (every second)
             holder = max(replicas(), key=lambda r: stats(r)["running"])
             ray.kill(holder.actor, no_restart=False)
-            with contextlib.suppress(httpx.HTTPError):  # a broken stream is an error too
+            try:
                 rest = [line for line in lines if line.startswith("data: ")]
-                assert not rest or rest[-1] != "data: [DONE]" or any(
-                    "error" in line for line in rest)
+            except httpx.TimeoutException:
+                pytest.fail(f"the stream hung for {TIMEOUT} s after its replica was killed")
+            except httpx.HTTPError:  # a broken stream is an error too
+                rest = ["data: error: the stream broke"]
+            assert not rest or rest[-1] != "data: [DONE]" or any(
+                "error" in line for line in rest)
         after = http.post("/v1/completions", json={"prompt": "y", "max_tokens": 8})
         assert after.status_code == 200
     deadline = time.monotonic() + 180
@@ -187,25 +218,43 @@ def test_a_killed_replica_fails_its_requests_and_serve_restarts_it(served):
 
 def test_the_router_ranks_by_room_then_free_pages_then_waiting():
     """Replicas with unequal budgets, as the router sees them: one where a request of its split
-    size fits comes first, the one with more free pages first among those; requests sent
-    since a report count against its room until the next one."""
+    size fits comes first, the one with more free pages first among those; each request sent
+    since a replica's report counts against its room until a report taken after it, or until
+    it expires; a replica gone from the deployment leaves no entry."""
     router = object.__new__(FreePagesRouter)
     router.initialize_state()
+    now = [100.0]
+    router.clock = lambda: now[0]
     big = SimpleNamespace(replica_id="big", routing_stats={
-        "room": 5, "free_pages": 900, "waiting": 0, "at": 1.0})
+        "room": 5, "free_pages": 900, "waiting": 0, "at": 99.0})
     small = SimpleNamespace(replica_id="small", routing_stats={
-        "room": 1, "free_pages": 100, "waiting": 0, "at": 1.0})
+        "room": 1, "free_pages": 100, "waiting": 0, "at": 99.0})
     full = SimpleNamespace(replica_id="full", routing_stats={
-        "room": 0, "free_pages": 950, "waiting": 3, "at": 1.0})
-    ranked = asyncio.run(router.choose_replicas([full, small, big]))
-    assert [r[0].replica_id for r in ranked] == ["big", "small", "full"]
-    router._replicas = {"big": big}
+        "room": 0, "free_pages": 950, "waiting": 3, "at": 99.0})
+
+    def order(*candidates) -> list[str]:
+        return [r[0].replica_id for r in asyncio.run(router.choose_replicas(list(candidates)))]
+
+    assert order(full, small, big) == ["big", "small", "full"]
+    router._replicas = {"big": big, "small": small, "full": full}
+    for _ in range(5):
+        now[0] += 0.1
+        router.on_request_routed(None, "big", None)
+    assert order(full, small, big) == ["small", "full", "big"]  # big has no room left now
+    # a report taken after three of the five: its room (2) counts those, the other two not
+    big.routing_stats = {**big.routing_stats, "room": 2, "at": 100.35}
+    assert order(small, big) == ["small", "big"]
+    big.routing_stats = {**big.routing_stats, "room": 5, "at": 100.6}  # after all five
+    assert order(small, big) == ["big", "small"]
+    now[0] = 101.0
     for _ in range(5):
         router.on_request_routed(None, "big", None)
-    assert [r[0].replica_id for r in asyncio.run(router.choose_replicas(
-        [full, small, big]))] == ["small", "full", "big"]  # big has no room left now
-    big.routing_stats = {**big.routing_stats, "at": 2.0}  # a new report: the count resets
-    assert asyncio.run(router.choose_replicas([small, big]))[0][0].replica_id == "big"
+    assert order(small, big) == ["small", "big"]
+    now[0] += 6.0  # no report for longer than SENT_TTL: what was sent no longer counts
+    assert order(small, big) == ["big", "small"] and router.sent["big"] == []
+    router._replicas = {"small": small}  # big left the deployment: its entries go
+    router.on_request_routed(None, "small", None)
+    assert set(router.sent) == {"small"}
 
 
 def test_autoscaling_keeps_kv_utilisation_at_its_target():
@@ -219,7 +268,9 @@ def test_autoscaling_keeps_kv_utilisation_at_its_target():
     assert policy(ctx)[0] == 2  # no report yet: as it is
 
 
-def test_the_serve_deploy_file_holds_the_application(model_folder):
+def test_the_serve_deploy_file_holds_the_application(model_folder, tmp_path):
+    """The application by import path with its arguments; never the API key itself (a key
+    file's path, which each replica reads)."""
     config = ServeConfig(model=model_folder, method=METHOD, memory="300KB", port=8123)
     file = deploy_config(config, Scale(replicas=None, min_replicas=1, max_replicas=3))
     app = file["applications"][0]
@@ -228,6 +279,16 @@ def test_the_serve_deploy_file_holds_the_application(model_folder):
     assert file["http_options"] == {"host": "127.0.0.1", "port": 8123}
     with pytest.raises(ValueError, match="valid methods"):
         deploy_config(replace(config, method="kivi9"), Scale())
+    with pytest.raises(ValueError, match="api_key is not written"):
+        deploy_config(replace(config, api_key="secret"), Scale())
+    secret = tmp_path / "key"
+    secret.write_text("file-key\n")
+    args = deploy_config(replace(config, api_key_file=str(secret)), Scale())[
+        "applications"][0]["args"]
+    assert args["api_key"] is None and args["api_key_file"] == str(secret)
+    assert ServeConfig(api_key_file=str(secret)).key() == "file-key"
+    with pytest.raises(ValueError, match="api_key_file="):
+        ServeConfig(api_key_file=str(tmp_path / "none")).key()
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -684,7 +684,8 @@ def test_models_health_and_metrics(served, client):
 
 
 def test_kv_usage_counts_what_running_requests_reserve(served, client):
-    """The gateway gauge is the share of the budget the running request reserved."""
+    """The gateway gauge is the share of the budget the running request reserved; the pages
+    a router weighs are those it did not reserve, fewer than the pages not in use now."""
     manager, _ = served
     with client.stream("POST", "/v1/completions", json={
             "prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True, "stream": True}) as s:
@@ -693,6 +694,10 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
         budget = manager.budget
         assert 0 < usage < 1 and usage == pytest.approx(
             manager.cache.reserved_bytes() / (budget.memory - budget.static), rel=1e-6)
+        figures = manager.cache.figures()  # a router weighs the pages no request reserved
+        capacity = budget.capacity[0] * len(manager.cache.layers)
+        assert figures["pages_unreserved"] == capacity - manager.cache.pages_reserved[0] * len(
+            manager.cache.layers) < capacity - figures["pages_used"]
 
 
 def test_a_bad_method_model_or_limit_fails_before_the_port_opens(monkeypatch, capsys):

@@ -45,6 +45,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--api-key", default=None,
                         help="/v1/* require 'Authorization: Bearer KEY' (default: "
                              "$KVMIX_API_KEY; /health and /metrics stay open)")
+    parser.add_argument("--api-key-file", default=None,
+                        help="a file holding the key (with --ray: a secret on every node; "
+                             "the key is never written into a --ray-config file)")
     parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout,
                         help="on SIGTERM/SIGINT: 503 to new requests, running ones finish "
                              "for up to this many seconds, then exit 0")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from kvmix.evaluation.grid import RAY_EXTRA
@@ -33,7 +34,20 @@ class ServeConfig:
     max_body: str = "4MB"  # a request body beyond it gets 413
     request_timeout: float = 600.0  # seconds a request may take, waiting included (0: none)
     api_key: str | None = None  # /v1/* require it (default: $KVMIX_API_KEY)
+    api_key_file: str | None = None  # or a file holding it (a secret mounted on every node)
     drain_timeout: float = 30.0  # seconds running requests may finish after SIGTERM
+
+    def key(self) -> str | None:
+        """The API key: ``api_key``, else ``api_key_file``'s content, else $KVMIX_API_KEY."""
+        if self.api_key:
+            return self.api_key
+        if self.api_key_file:
+            try:
+                return Path(self.api_key_file).read_text().strip() or None
+            except OSError as error:
+                raise ValueError(f"api_key_file={self.api_key_file!r} cannot be read "
+                                 f"({error.strerror})") from None
+        return os.environ.get("KVMIX_API_KEY") or None
 
     def limits(self) -> Any:
         """The server's ``Limits`` (refused here with the parameter named)."""
@@ -41,8 +55,7 @@ class ServeConfig:
 
         return Limits(self.max_tokens, self.max_waiting,
                       int(parse_memory(self.max_body, "max_body")),
-                      self.request_timeout or None, self.api_key or os.environ.get("KVMIX_API_KEY"),
-                      self.drain_timeout)
+                      self.request_timeout or None, self.key(), self.drain_timeout)
 
 
 def require_ray() -> None:
@@ -165,8 +178,12 @@ class Scale:
 
 def deploy_config(config: ServeConfig, scale: Scale) -> dict[str, Any]:
     """What ``serve deploy FILE`` takes (YAML): the application by import path with its
-    arguments, the proxy on ``config.host:config.port``."""
+    arguments, the proxy on ``config.host:config.port``; never the API key itself."""
     check(config)
+    if config.api_key:
+        raise ValueError("api_key is not written into a deploy file (it would lie there in "
+                         "plain text): give api_key_file, a secret file on every node, or set "
+                         "KVMIX_API_KEY where the Serve controller runs (`ray start --head`)")
     return {"proxy_location": "EveryNode",
             "http_options": {"host": config.host, "port": config.port},
             "applications": [{"name": "kvmix", "route_prefix": "/",

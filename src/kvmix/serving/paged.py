@@ -372,12 +372,21 @@ class KVMixPagedCache(PagedAttentionCache):
         self.peak_nbytes = max(self.peak_nbytes, nbytes)
         return {"pages_used": sum(layer.pool.used for layer in self.layers),
                 "pages_free": sum(len(layer.pool.free) for layer in self.layers),
+                "pages_unreserved": self.unreserved_pages(),
                 "cache_bytes": nbytes, "cache_peak_bytes": self.peak_nbytes,
                 "cache_held_bytes": nbytes - kinds.get(FREE, 0),
                 "reserved_bytes": self.reserved_bytes() + self.budget.static,
                 "budget_bytes": self.budget.memory,
                 "kv_usage": 1 - self.compute_free_capacity(relative=True),
                 "room": self.room(), "rows": self.budget.rows}
+
+    def unreserved_pages(self) -> int:
+        """Pages no admitted request will take, every layer (what a router weighs: pages
+        free now but reserved by a running request are not)."""
+        spans = [sum(1 for layer in self.layers if layer.sliding_window == w)
+                 for w in self.budget.windows]
+        return sum(n * (cap - used) for n, cap, used in zip(
+            spans, self.budget.capacity, self.pages_reserved, strict=True))
 
     def room(self) -> int:
         """How many more requests of the length the budget is split for fit now (rows and

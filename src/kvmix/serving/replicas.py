@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from ray import serve
@@ -37,6 +37,9 @@ from kvmix.serving.launch import Scale, ServeConfig, build, check, planned_rows
 ROUTER = "kvmix.serving.replicas:FreePagesRouter"
 POLICY = "kvmix.serving.replicas:KVUsagePolicy"
 STATS_PERIOD = 1.0  # seconds between a replica's routing reports
+
+
+SENT_TTL = 5.0  # seconds a request sent to a replica counts against its room, unreported
 
 
 class Replica:
@@ -56,7 +59,8 @@ class Replica:
         """Requests of the split size that fit now, unreserved pages, requests waiting and
         running, requests started so far, and when."""
         figures = self.manager.stats.snapshot()
-        return {"room": figures.get("room", 1.0), "free_pages": figures.get("pages_free", 0.0),
+        return {"room": figures.get("room", 1.0),
+                "free_pages": figures.get("pages_unreserved", 0.0),
                 "waiting": figures["waiting"], "running": figures["running"],
                 "started": figures["ttft_count"], "at": time.time()}
 
@@ -79,28 +83,37 @@ class Replica:
 
 class FreePagesRouter(FIFOMixin, RequestRouter):
     """Replicas ranked one per rank: those where a request of their split size fits now
-    first, by free pages, then the others by waiting requests (Serve tries them in turn and
-    backs off when none takes the request: it waits, it does not fail)."""
+    first, by pages free after reservations, then the others by waiting requests (Serve tries
+    them in turn and backs off when none takes the request: it waits, it does not fail).
+
+    A replica reports every second; each request sent to it since its report counts against
+    its room, until a report taken after it arrives or ``SENT_TTL`` seconds pass."""
+
+    clock = staticmethod(time.time)
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self.sent: dict[Any, tuple[float, int]] = {}  # replica -> (its report's time, sent)
+        self.sent: dict[Any, list[float]] = {}  # replica -> when each request went to it
 
     async def choose_replicas(self, candidate_replicas: list, pending_request: Any = None
                               ) -> list[list]:
         return [[replica] for replica in sorted(candidate_replicas, key=self._rank)]
 
     def on_request_routed(self, pending_request: Any, replica_id: Any, result: Any) -> None:
-        replica = self.curr_replicas.get(replica_id)
-        at = replica.routing_stats.get("at", 0.0) if replica is not None else 0.0
-        seen, count = self.sent.get(replica_id, (at, 0))
-        self.sent[replica_id] = (at, count + 1 if seen == at else 1)
+        self.sent.setdefault(replica_id, []).append(self.clock())
+        for gone in self.sent.keys() - set(self.curr_replicas) - {replica_id}:
+            del self.sent[gone]
+
+    def _unreported(self, replica: Any) -> int:
+        """Requests sent to ``replica`` after its last report, within ``SENT_TTL`` (the
+        others are dropped)."""
+        since = max((replica.routing_stats or {}).get("at", 0.0), self.clock() - SENT_TTL)
+        times = [t for t in self.sent.get(replica.replica_id, []) if t > since]
+        self.sent[replica.replica_id] = times
+        return len(times)
 
     def _rank(self, replica: Any) -> tuple[float, float, float]:
         stats = replica.routing_stats or {}
-        at, sent = self.sent.get(replica.replica_id, (None, 0))
-        if at != stats.get("at"):
-            sent = 0  # a report taken after what was sent
-        room = stats.get("room", 1.0) - sent
+        room = stats.get("room", 1.0) - self._unreported(replica)
         return (0.0 if room >= 1 else 1.0, -stats.get("free_pages", 0.0),
                 stats.get("waiting", 0.0) + max(-room, 0))
 
@@ -150,7 +163,10 @@ def application(config: ServeConfig, scale: Scale) -> Any:
     places anything."""
     check(config)
     deployment = serve.deployment(serve.ingress()(Replica))
-    return deployment.options(**options(config, scale)).bind(config)
+    # the key resolved here, where the environment or the file is, travels with the bound
+    # arguments (Ray's object store, not a file) to every replica on every node
+    return deployment.options(**options(config, scale)).bind(
+        replace(config, api_key=config.key(), api_key_file=None))
 
 
 def build_application(args: dict[str, Any]) -> Any:
