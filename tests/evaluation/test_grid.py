@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +22,8 @@ from conftest import ray_files, saved_model
 
 from kvmix.cli import main
 from kvmix.commands.compare import CompareConfig, run_compare
+from kvmix.evaluation import grid
+from kvmix.evaluation.grid import Failure, Grid, Worker
 from kvmix.models.loading import load_tokenizer
 
 LAYOUT = "sink=4,residual=16,group=8"
@@ -108,3 +112,57 @@ def test_bad_ray_settings_fail_before_any_work(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compare", "--methods", "kivi2", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def dies_on_cue(worker, shared, cell) -> list[dict]:
+    """A cell's rows; the cell "die" ends its worker's process (as an out-of-memory kill)."""
+    if cell == "die":
+        os._exit(1)
+    return [{"cell": cell}]
+
+
+def raises_on_cue(worker, shared, cell) -> list[dict]:
+    if cell == "bad":
+        raise KeyError("no such key")
+    return [{"cell": cell}]
+
+
+@pytest.mark.process
+def test_a_dead_worker_is_replaced_and_the_other_cells_computed(local_ray, model_folder):
+    """One worker; the first cell kills its process (again on the restarted actor): that cell
+    fails naming the dead actor, a new worker computes the others."""
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # tests/ is no package
+    config = SimpleNamespace(model=model_folder, dtype="float32", device="cpu", ray=True,
+                             workers=1, out=None, address=None)
+    outcomes, _ = Grid("test", config, dies_on_cue).run(["die", "a", "b"])
+    assert isinstance(outcomes[0], Failure) and "Actor" in outcomes[0].error
+    assert outcomes[1:] == [[{"cell": "a"}], [{"cell": "b"}]]
+
+
+def test_a_local_cell_that_raises_anything_fails_alone(monkeypatch):
+    """A cell computed here that raises what no check foresaw (a KeyError) is reported as
+    its failure, as on Ray; the cells after it are computed."""
+    monkeypatch.setattr(grid, "model_info", lambda loaded: {"name": "m"})
+    config = SimpleNamespace(model="m", dtype="float32", device="cpu", ray=False, out=None)
+    worker = Worker("m", "float32", "cpu", {"loaded": None})
+    outcomes, _ = Grid("test", config, raises_on_cue).run(["a", "bad", "b"], worker)
+    assert outcomes[0] == [{"cell": "a"}] and outcomes[2] == [{"cell": "b"}]
+    assert isinstance(outcomes[1], Failure) and "KeyError" in outcomes[1].error
+
+
+def test_a_cells_key_follows_the_data_files_content_and_kvmixs_code(tmp_path, monkeypatch):
+    """The same command on the same path: an edited data file, or other kvmix sources, give
+    another key (the cell is computed again); the same content gives the same key."""
+    data = tmp_path / "data.txt"
+    data.write_text("one text")
+    config = SimpleNamespace(model="m", dtype="float32", device="cpu", data=str(data),
+                             out=str(tmp_path))
+    cells = Grid("test", config, raises_on_cue)
+    first = cells.digest("a")
+    assert cells.digest("a") == first and cells.digest("b") != first
+    data.write_text("another text")
+    os.utime(data, ns=(1, 1))  # a new modification time, whatever the clock's resolution
+    edited = cells.digest("a")
+    assert edited != first
+    monkeypatch.setattr(grid, "code_digest", lambda: "other sources")
+    assert cells.digest("a") != edited

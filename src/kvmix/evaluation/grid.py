@@ -5,13 +5,16 @@ computed by a worker that holds the model: one in this process, or, with ``ray``
 they free up.
 
 With an output folder, each cell's rows are written to ``cells/<hash>.json``, the hash of the
-cell's resolved configuration (the command's settings, the cell, the model and data, kvmix's
-version): a rerun of the same command skips the cells whose rows exist and computes only the
-missing ones. A cell that fails is reported with its error and the others kept; the merged
-rows are the local run's, whoever computed them."""
+cell's resolved configuration (the command's settings, the cell, the model, the data file's
+content and a hash of kvmix's own sources, so an edited checkout or a changed file computes
+again): a rerun of the same command skips the cells whose rows exist and computes only the
+missing ones. A cell that fails — whatever it raises, here or on Ray — is reported with its
+error and the others kept; a Ray worker that died is replaced. The merged rows are the local
+run's, whoever computed them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -124,8 +127,8 @@ class Grid:
         for index, cell in zip(indices, cells, strict=True):
             try:
                 yield index, worker.compute(self.compute, self.shared, cell)
-            except (ValueError, RuntimeError, OSError) as error:
-                yield index, Failure(cell, f"{type(error).__name__}: {error}")
+            except Exception as error:  # any cell's fault is its own, as on Ray
+                yield index, Failure(cell, _cause(error))
 
     def _on_ray(self, cells: list, indices: list[int], worker: Worker | None):
         ray = require_ray()
@@ -155,7 +158,8 @@ class Grid:
         c = self.config
         key = {"command": self.command, "cell": _plain(cell), "shared": _plain(self.shared),
                "model": c.model, "dtype": c.dtype, "device": c.device,
-               "data": getattr(c, "data", None), "kvmix": version("kvmix")}
+               "data": content_digest(getattr(c, "data", None)), "kvmix": version("kvmix"),
+               "code": code_digest()}
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()) \
             .hexdigest()[:24]
 
@@ -202,9 +206,42 @@ def _spread(ray: Any, grid: Grid, cells: list, indices: list[int]):
         worker, index, cell = running.pop(ready[0])
         try:
             yield index, ray.get(ready[0])
-        except Exception as error:  # the cell raised, or its worker died past its retries
+        except ray.exceptions.RayActorError as error:  # its worker died past its retries
+            yield index, Failure(cell, _cause(error))
+            worker = remote.remote(c.model, c.dtype, c.device)  # a new one takes its place
+        except Exception as error:  # the cell raised
             yield index, Failure(cell, _cause(error))
         give(worker)
+
+
+@functools.cache
+def code_digest() -> str:
+    """A hash of kvmix's own sources (every file of the package but compiled ones): a cell
+    computed by other code is computed again."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*")):
+        if path.is_file() and path.suffix in {".py", ".cpp", ".h", ".cu", ".json", ".toml"}:
+            digest.update(str(path.relative_to(root)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:24]
+
+
+def content_digest(data: Any) -> Any:
+    """A data setting as a cell's key: a file by its content (a changed file is new data),
+    anything else as it is."""
+    if not isinstance(data, (str, os.PathLike)) or not Path(data).is_file():
+        return data
+    path = Path(data).resolve()
+    stat = path.stat()
+    return _file_digest(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _file_digest(path: str, size: int, mtime: int) -> str:
+    """A file's content hash, read once per (path, size, modification time)."""
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()[:24]
 
 
 def reachable(address: str | None, timeout: float = 3.0) -> None:
