@@ -36,8 +36,10 @@ _GUARD = _Guard()
 
 @contextlib.contextmanager
 def no_host_work(monkeypatch):
-    """Patch ``.item()``, ``.tolist()``, ``bool()`` of tensors and ``torch.tensor`` /
-    ``torch.as_tensor`` with a ``device`` to raise while a guarded call runs (in any thread)."""
+    """Patch what asks the host for a device value or copies synchronously — ``.item()``,
+    ``.tolist()``, ``bool()``, ``int()``, ``float()``, ``.cpu()``, ``nonzero``, a boolean mask
+    index, a ``.to()`` of pageable host memory to a device — and ``torch.tensor`` /
+    ``torch.as_tensor`` with a ``device`` to raise while a guarded call runs (any thread)."""
     def refusing(name, original, condition=lambda *a, **k: True):
         def patched(*args, **kwargs):
             if _GUARD.depth and condition(*args, **kwargs):
@@ -46,13 +48,34 @@ def no_host_work(monkeypatch):
         return patched
 
     on_device = lambda *a, **k: k.get("device") is not None  # noqa: E731
-    for name in ("item", "tolist", "__bool__"):
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "nonzero"):
         monkeypatch.setattr(torch.Tensor, name, refusing(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "nonzero", refusing("torch.nonzero", torch.nonzero))
+    monkeypatch.setattr(torch.Tensor, "__getitem__", refusing(
+        "a boolean mask index", torch.Tensor.__getitem__, _masked))
+    monkeypatch.setattr(torch.Tensor, "to", refusing(
+        "a pageable host-to-device .to()", torch.Tensor.to, _pageable_upload))
     monkeypatch.setattr(torch, "tensor", refusing("torch.tensor(device=)", torch.tensor,
                                                   on_device))
     monkeypatch.setattr(torch, "as_tensor", refusing("torch.as_tensor(device=)",
                                                      torch.as_tensor, on_device))
     yield
+
+
+def _masked(tensor: torch.Tensor, index) -> bool:
+    """Whether an index holds a boolean mask (its result's size is a device value)."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(p, torch.Tensor) and p.dtype == torch.bool and p.dim() > 0
+               for p in parts)
+
+
+def _pageable_upload(tensor: torch.Tensor, *args, **kwargs) -> bool:
+    """Whether ``tensor.to(...)`` copies host memory that is not pinned to another device
+    (a synchronous copy)."""
+    target = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))),
+                                       None))
+    return target is not None and torch.device(target).type != "cpu" \
+        and tensor.device.type == "cpu" and not tensor.is_pinned()
 
 
 def guarded(monkeypatch, owner, name: str, entered: list, when=lambda *a: True) -> None:
@@ -80,10 +103,14 @@ def test_the_guard_refuses_what_it_names(monkeypatch):
         _GUARD.depth += 1
         try:
             for call in (lambda: x.item(), lambda: x.tolist(), lambda: bool(x[0]),
-                         lambda: torch.tensor([1, 2], device="cpu")):
+                         lambda: torch.tensor([1, 2], device="cpu"), lambda: int(x[0]),
+                         lambda: float(x[0]), lambda: x.cpu(), lambda: x.nonzero(),
+                         lambda: torch.nonzero(x), lambda: x[x > 0],
+                         lambda: x[:, None][x > 0, 0], lambda: x.to("meta")):
                 with pytest.raises(HostWork):
                     call()
             assert torch.tensor([1, 2]).shape == (2,)  # a host list on the host: allowed
+            assert x[1:].shape == (2,) and x.to(torch.float16).dtype == torch.float16
         finally:
             _GUARD.depth -= 1
 
