@@ -255,13 +255,18 @@ def _launch_record(value):
 
 
 class Recorder:
-    """Stands for a Triton kernel: records each launch (grid, arguments) and runs it."""
+    """Stands for a Triton kernel: records each launch (grid, arguments), keeps its arguments
+    alive, and runs it."""
 
     def __init__(self, name: str, kernel, launches: list):
-        self.name, self.kernel, self.launches = name, kernel, launches
+        self.name, self.kernel, self.launches, self.kept = name, kernel, launches, []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
+            # the arguments kept alive: a temporary copy made for one launch (a stale
+            # .contiguous(), say) cannot free its memory for the next one's to reuse the
+            # address, so the comparison sees it
+            self.kept.append(args)
             self.launches.append((self.name, grid, [_launch_record(a) for a in args],
                                   sorted(kwargs.items())))
             return self.kernel[grid](*args, **kwargs)
