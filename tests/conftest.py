@@ -109,6 +109,25 @@ def idle(manager, timeout: float = 60.0) -> None:
     assert not manager.cache.reserved and manager.cache.rows_reserved == 0
 
 
+def run_requests(manager, requests: list[dict], timeout: float = 120) -> dict:
+    """Each request (``add_request``'s arguments) through a started manager -> every choice's
+    output by request id."""
+    manager.start()
+    try:
+        expected = sum(r.get("n", 1) for r in requests)
+        for r in requests:
+            manager.add_request(**r)
+        results, deadline = {}, time.monotonic() + timeout
+        while len(results) < expected:
+            assert time.monotonic() < deadline, f"only {len(results)} of {expected} finished"
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    finally:
+        manager.stop(block=True)
+    return results
+
+
 @pytest.fixture(scope="session")
 def real_model():
     from kvmix.models.loading import load_model

@@ -6,11 +6,10 @@ cache, seeded ones the same whatever runs beside them."""
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import run_requests, tiny_llama
 
 from kvmix.serving.anchor import PAGE, TransformersManager
 from kvmix.serving.sampling import Sampling
@@ -33,22 +32,6 @@ def page_bytes(model) -> int:
     return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * PAGE
 
 
-def run(manager, requests: list[dict], timeout: float = 120) -> dict:
-    manager.start()
-    try:
-        for r in requests:
-            manager.add_request(**r)
-        results, deadline = {}, time.monotonic() + timeout
-        while len(results) < len(requests):
-            assert time.monotonic() < deadline, f"only {len(results)} finished"
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-    finally:
-        manager.stop(block=True)
-    return results
-
-
 def test_the_cache_is_sized_from_its_bytes_and_refuses_what_never_fits(model):
     """A page's bytes (and a little): one page; a request needing more pages, more positions
     or no tokens is refused naming why; a budget below one page is refused."""
@@ -66,7 +49,7 @@ def test_the_cache_is_sized_from_its_bytes_and_refuses_what_never_fits(model):
 def test_greedy_requests_give_what_generate_gives_alone(model):
     """Three prompts batched: each one's tokens are generate's with a float cache."""
     manager = TransformersManager(copy.deepcopy(model), 8 * page_bytes(model), NEW)
-    out = run(manager, [{"input_ids": p, "request_id": f"r{i}", "eos_token_id": -1}
+    out = run_requests(manager, [{"input_ids": p, "request_id": f"r{i}", "eos_token_id": -1}
                         for i, p in enumerate(prompts())])
     for i, prompt in enumerate(prompts()):
         with torch.no_grad():
@@ -83,7 +66,7 @@ def test_a_seeded_request_draws_the_same_alone_and_beside_others(model):
     def served(seed: int, others: list[dict]) -> list[int]:
         manager = TransformersManager(copy.deepcopy(model), 8 * page_bytes(model), NEW)
         asked = {**mine, "sampling": Sampling(temperature=1.0, top_k=20, seed=seed)}
-        return run(manager, [*others, asked])["mine"].generated_tokens
+        return run_requests(manager, [*others, asked])["mine"].generated_tokens
 
     beside = [{"input_ids": prompts()[0], "request_id": "g", "eos_token_id": -1},
               {"input_ids": prompts()[2], "request_id": "s", "eos_token_id": -1,

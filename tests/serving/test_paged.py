@@ -6,12 +6,11 @@ to the pool when requests end; what can never be served is refused before any wo
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import run_requests, tiny_llama
 from helpers import method_string
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
@@ -192,25 +191,6 @@ def test_the_default_model_serves_eight_requests_as_generate_does_alone(real_mod
 
 
 # -- sampling, choices, faults --------------------------------------------------------------------
-
-def run_requests(manager, requests: list[dict], timeout: float = 120) -> dict:
-    """Each request (``add_request``'s arguments) through a started manager -> every choice's
-    output by request id."""
-    manager.start()
-    try:
-        expected = sum(r.get("n", 1) for r in requests)
-        for r in requests:
-            manager.add_request(**r)
-        results, deadline = {}, time.monotonic() + timeout
-        while len(results) < expected:
-            assert time.monotonic() < deadline, f"only {len(results)} of {expected} finished"
-            result = manager.get_result(timeout=1)
-            if result is not None and result.is_finished():
-                results[result.request_id] = result
-    finally:
-        manager.stop(block=True)
-    return results
-
 
 def assert_nothing_held(manager) -> None:
     cache = manager.batch_processor.cache if manager.batch_processor else manager.cache

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from kvmix.serving.sampling import MAX_LOGIT_BIAS, Sampling
+from kvmix.serving.sampling import MAX_LOGIT_BIAS, RANGES, Sampling
 
 MAX_CHOICES = 8  # n
 MAX_STOPS = 4  # stop strings (OpenAI's limit)
@@ -62,8 +62,9 @@ Ids = Annotated[list[TokenId], Field(min_length=1)]
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-def Bounded(low: float, high: float) -> Any:
-    """A float field in [low, high], or None (the neutral value)."""
+def Bounded(name: str) -> Any:
+    """A float field in the sampler's range for ``name`` (``RANGES``), or None (neutral)."""
+    low, high = RANGES[name]
     return Annotated[float, Field(ge=low, le=high)] | None
 
 
@@ -75,10 +76,10 @@ class _Request(_Body):
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1, le=MAX_ID)] | None = None  # -1 or 0: every token
-    min_p: Bounded(0, 1) = None
-    presence_penalty: Bounded(-2, 2) = None  # OpenAI's range
-    frequency_penalty: Bounded(-2, 2) = None
-    repetition_penalty: Bounded(0.01, 10) = None  # vLLM's and transformers' meaning
+    min_p: Bounded("min_p") = None
+    presence_penalty: Bounded("presence_penalty") = None  # OpenAI's range
+    frequency_penalty: Bounded("frequency_penalty") = None
+    repetition_penalty: Bounded("repetition_penalty") = None  # vLLM's meaning
     logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] = 0

@@ -58,7 +58,7 @@ MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 RANGES: dict[str, tuple[float, float]] = {
     "temperature": (0.0, 100.0), "top_p": (0.0, 1.0), "top_k": (0, (1 << 31) - 1),
     "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0),
-    "repetition_penalty": (0.01, 10.0), "min_tokens": (0, 1 << 31),
+    "repetition_penalty": (0.01, 10.0), "min_tokens": (0, (1 << 31) - 1),
     "logprobs": (0, MAX_LOGPROBS), "seed": (-(1 << 63), (1 << 64) - 1)}
 
 
@@ -268,7 +268,7 @@ def _adjusted(logits: torch.Tensor, states: list[RequestState]) -> torch.Tensor:
 def _adjust(row: torch.Tensor, state: RequestState) -> torch.Tensor:
     """One row's [V] logits adjusted by its request's ``Sampling`` (see there)."""
     sampling = _sampling(state)
-    prompt, output = history(state)
+    prompt, output = _history(state)
     vocab = row.shape[-1]
     if len(output) < sampling.min_tokens:
         ends = [t for t in getattr(state, "_eos_token_ids", ()) if 0 <= t < vocab]
@@ -289,7 +289,7 @@ def _adjust(row: torch.Tensor, state: RequestState) -> torch.Tensor:
     return row
 
 
-def history(state: RequestState) -> tuple[list[int], list[int]]:
+def _history(state: RequestState) -> tuple[list[int], list[int]]:
     """(prompt, output) token ids of a request, whether or not transformers soft-reset it
     (which moves the output so far into its ``initial_tokens``)."""
     true_prompt = getattr(state, "_true_initial_tokens", 0)

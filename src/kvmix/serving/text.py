@@ -123,10 +123,11 @@ class ChoiceText:
 
 def token_bytes(tokenizer: Any, token_id: int) -> bytes:
     """The bytes a token stands for, whole even where it ends inside a character (its decoded
-    text is then empty or U+FFFD): byte-level BPE's alphabet mapped back, SentencePiece's
-    ``<0xHH>`` pieces and ``▁`` spaces, else the token's decoded text."""
+    text is then empty or U+FFFD): byte-level BPE's alphabet mapped back (a special token's
+    ASCII maps to itself), SentencePiece's ``<0xHH>`` pieces and ``▁`` spaces, else the
+    token's decoded text."""
     piece = tokenizer.convert_ids_to_tokens(int(token_id))
-    if piece is None or piece in tokenizer.all_special_tokens:
+    if piece is None:
         return tokenizer.decode([token_id]).encode()
     if type(tokenizer._tokenizer.decoder).__name__ == "ByteLevel":
         table = _byte_level()
