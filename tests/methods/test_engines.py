@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, quants
 from helpers import METHODS, PAIRS, D, make, tokens
 
 from kvmix.methods.ggml import FLOATS, FORMATS, dequantize_blocks, format_bits, quantize_blocks
+from kvmix.runtime.store import stored as as_stored
 
 TYPES = {name: getattr(GGMLQuantizationType, name.upper()) for name in FORMATS}
 
@@ -58,6 +59,7 @@ def test_the_cache_stores_keys_in_the_engines_channel_order():
     decoded_keys, decoded_values = row.decode_blocks(torch.float32)  # [1, H, 16, D]
     assert decoded_keys.shape[2] == 16  # every token in blocks: no float residual is left
     interleaved = PAIRS.flatten()  # llama.cpp's order for Llama GGUF files
+    keys, values = as_stored(keys, cache.method), as_stored(values, cache.method)  # as entered
     assert torch.equal(decoded_keys, engine(keys[..., interleaved], "q4_0"))  # its frame
     assert torch.equal(decoded_values, engine(values, "q5_1"))
 

@@ -110,7 +110,7 @@ def test_hadamard_is_orthogonal_and_leaves_scores_unchanged():
 
 def test_key_rotation_stores_rotated_keys_and_keeps_logits(tiny_model):
     ids = torch.randint(1, 97, (1, 30), generator=torch.Generator().manual_seed(3))
-    layout = "key_bits=8,value_bits=8,sink=4,residual=16,group=8"
+    layout = "key_bits=8,value_bits=8,sink=4,residual=16,group=8,residual_dtype=float32"
     logits, layers = {}, {}
     for rotate in ("none", "keys", "values", "both"):
         method = f"kxvy:{layout},rotate={rotate}"

@@ -96,7 +96,7 @@ def test_percentile_clipping_clips_exactly_the_stated_fraction(percentile):
 def test_scores_are_preserved_through_the_real_cache(model, transforms_file, kind):
     """The float32 matrices the cache and the hook really use keep q·k: keys stored in the
     residual (full precision, transformed) against queries transformed by the hook."""
-    method = f"wush:transforms={transforms_file},transform={kind},{LAYOUT}"
+    method = f"wush:transforms={transforms_file},transform={kind},{LAYOUT},residual_dtype=float32"
     cache = kvmix.make_cache(prepare_model(model, method), method)
     keys, values, queries = gaussian(1, 2, 10, 32), gaussian(1, 2, 10, 32), gaussian(1, 4, 1, 32)
     cache.update(keys, values, 1)

@@ -11,6 +11,7 @@ from helpers import METHODS, SINK, B, D, attend, expected_layout, feed, make, to
 from kvmix.core.memory import reachable_bytes
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.runtime.layer import take_pending
+from kvmix.runtime.store import stored
 
 
 def rows(cache):
@@ -49,8 +50,11 @@ def test_a_prompt_shorter_than_the_sink_is_never_quantized(name):
     cache.update(keys, values, 0)
     take_pending().attend(cache.method.transform_queries(queries, 0), None, D**-0.5)
     assert all(row.blocks is None and not row.lengths for row in rows(cache))
-    exact = cache.method.transform_keys(keys, 0)
-    assert torch.equal(history(cache)[0], exact) and torch.equal(history(cache)[1], values)
+    # kept exactly, at the slot dtype: float16 for a quantizing method of a float32 model
+    assert rows(cache)[0].sink_keys.dtype == cache.method.slot_dtype(torch.float32)
+    exact = stored(cache.method.transform_keys(keys, 0), cache.method)
+    assert torch.equal(history(cache)[0], exact)
+    assert torch.equal(history(cache)[1], stored(values, cache.method))
 
 
 @pytest.mark.parametrize("name", METHODS)
@@ -194,3 +198,42 @@ def test_fill_commits_what_attention_commits(name):
         for (_, x), (_, y) in zip(tagged_tensors(a.blocks, ""), tagged_tensors(f.blocks, ""),
                                   strict=True):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "kxvy:key_bits=4,value_bits=2"])
+def test_a_float32_model_keeps_its_sink_and_residual_at_16_bits(name):
+    """``residual_dtype``: float16 by default, half the bytes of float32 slots, honest either
+    way; the stored tokens are the model's rounded once to float16, and attention reads them
+    as stored (a token's output is the same before and after it enters its slot)."""
+    keys, values, queries = tokens(2, 45, seed=3, dtype=torch.float32)
+    caches = {dtype: make(name, residual_dtype=dtype) for dtype in ("float16", "float32")}
+    for cache in caches.values():
+        cache.update(keys, values, 0)
+        attend(cache, queries)
+        assert_memory_is_honest(cache)
+    half, full = (rows(caches[d])[0] for d in ("float16", "float32"))
+    assert (half.res_keys.dtype, full.res_keys.dtype) == (torch.float16, torch.float32)
+    assert torch.equal(half.res_values, full.res_values.half())
+    assert half.lengths == full.lengths and half.res_keys.shape[-2] > 0
+    kinds = {d: c.nbytes_breakdown() for d, c in caches.items()}
+    for kind in ("sink", "residual"):
+        assert 2 * kinds["float16"][kind] == kinds["float32"][kind] > 0
+    assert caches["float16"].nbytes() < caches["float32"].nbytes()
+
+
+def test_full_and_16_bit_models_keep_their_own_dtype():
+    keys, values, queries = tokens(1, 20, seed=1, dtype=torch.float32)
+    cache = make("full")
+    cache.update(keys, values, 0)
+    attend(cache, queries)
+    assert torch.equal(history(cache)[0], keys)  # bit-exact: full never rounds
+    method = make("kivi2", residual_dtype="float16").method
+    assert method.slot_dtype(torch.bfloat16) == torch.bfloat16
+    assert method.slot_dtype(torch.float32) == torch.float16
+    assert make("kivi2", residual_dtype="bfloat16").method.slot_dtype(torch.float32) == \
+        torch.bfloat16
+
+
+def test_an_unknown_residual_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="residual_dtype='int8' is invalid; valid: float16"):
+        make("kivi2", residual_dtype="int8")

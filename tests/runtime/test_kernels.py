@@ -294,3 +294,17 @@ def test_the_portable_float_kernels_match_the_reference(tmp_path):
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.startswith("float kernels (portable"), result.stdout
+
+
+def test_float16_segments_are_read_as_their_float32_widening():
+    """A 32-bit model's float16 slots go to the op as they are: the result is the op's on the
+    same values widened to float32, exactly; keys and values of different dtypes are refused."""
+    valid = op_call("kivi2")
+    half = dataclasses.replace(valid, keys=[k.half() for k in valid.keys],
+                               values=[v.half() for v in valid.values])
+    widened = dataclasses.replace(valid, keys=[k.float() for k in half.keys],
+                                  values=[v.float() for v in half.values])
+    assert torch.equal(half.run(), widened.run())
+    mixed = dataclasses.replace(valid, keys=half.keys)
+    with pytest.raises(RuntimeError, match="equal shape and dtype"):
+        mixed.run()

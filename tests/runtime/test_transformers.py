@@ -100,9 +100,9 @@ def test_keys_beyond_the_float16_range_of_the_statistics_are_refused():
     cache = kvmix.KVMixCache(f"kivi2:{SMALL}", tiny_llama().config)
     keys = torch.randn(1, 2, 30, 32)
     keys[0, 1, 10, 5] = 1e6  # in the first block
-    cache.update(keys, torch.randn(1, 2, 30, 32), 0)
     with pytest.raises(ValueError, match=r"keys in layer 0 reach 1e\+06, beyond the float16"):
-        attend(cache, torch.randn(1, 4, 30, 32))
+        cache.update(keys, torch.randn(1, 2, 30, 32), 0)  # before the float16 slots round it
+    assert cache.get_seq_length() == 0
     exact = kvmix.KVMixCache(f"full:{SMALL}", tiny_llama().config)
     exact.update(keys, torch.randn(1, 2, 30, 32), 0)
     attend(exact, torch.randn(1, 4, 30, 32))  # full precision stores it as it is

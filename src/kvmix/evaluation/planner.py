@@ -23,7 +23,7 @@ import torch
 
 from kvmix.methods import Method, parse_method
 from kvmix.models.catalog import FULL, Architecture
-from kvmix.runtime.accounting import layout, segment_bytes
+from kvmix.runtime.accounting import layout, segment_bytes, slot_bytes
 
 GIB = 2**30
 MIB = 2**20
@@ -113,7 +113,7 @@ def kv_bytes(method: Method, arch: Architecture, batch: int, context: int,
     slots (sink + residual per sequence) no token fills yet, which the cache allocates."""
     spec = arch.spec()
     parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "free": 0.0}
-    per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
+    per_token = slot_bytes(method, spec, dtype)
     for index, kind in enumerate(arch.layer_types):
         held = layout(method, context, None if kind == FULL else arch.sliding_window)
         for part, size in segment_bytes(method, spec, index, held, dtype).items():

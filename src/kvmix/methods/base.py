@@ -18,6 +18,8 @@ from kvmix.core.packing import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
 
 STAT_BITS = 32  # a float16 scale plus a float16 minimum per group
+# what a 32-bit model's float sink and residual may be stored in (``residual_dtype``)
+SLOT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 # What engines cannot express, shared by the methods it applies to (``engine_limits``)
 PER_CHANNEL_KEYS = ("per-channel key groups over tokens (engines quantize the channels of one "
                     "token together)")
@@ -124,7 +126,10 @@ class Method:
     """Cache layout parameters shared by every method (SPEC §2).
 
     sink: leading tokens kept at full precision; residual: capacity ``R`` of the full-precision
-    tail; group: tokens per quantized block (the key group), which must divide ``residual``.
+    tail; group: tokens per quantized block (the key group), which must divide ``residual``;
+    residual_dtype: what the sink and residual are stored in when the model runs at 32 bits
+    (``float16`` by default, as the papers price them; ``float32`` keeps the model's floats). A
+    16-bit model's are its own dtype, and ``full`` always keeps the model's dtype.
     """
 
     name: ClassVar[str] = ""
@@ -137,9 +142,11 @@ class Method:
     sink: int = 32
     residual: int = 128
     group: int = 128
+    residual_dtype: str = "float16"
 
     def __post_init__(self) -> None:
         positive(self.sink, "sink", minimum=0)
+        choice(self.residual_dtype, "residual_dtype", tuple(SLOT_DTYPES))
         positive(self.residual, "residual")
         positive(self.group, "group")
         if self.residual % self.group:
@@ -149,6 +156,13 @@ class Method:
 
     def bind(self, spec: ModelSpec) -> None:
         """Check the parameters against a model; raise ValueError naming the parameter."""
+
+    def slot_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the float sink and residual of a model running in ``dtype``: 16-bit
+        models and methods that do not quantize keep ``dtype``."""
+        if not self.quantizes or dtype.itemsize <= 2:
+            return dtype
+        return SLOT_DTYPES[self.residual_dtype]
 
     def select(self, queries: torch.Tensor, keys: torch.Tensor, layer: int,
                values: torch.Tensor | None = None) -> Any:

@@ -35,13 +35,15 @@ def layout(method: Method, tokens: int, window: int | None = None) -> Layout:
 
 def segment_bytes(method: Method, spec: ModelSpec, layer: int, held: Layout,
                   dtype: torch.dtype, selected: bool = True) -> dict[str, float]:
-    """Bytes by segment: sink and residual at ``dtype``, blocks at the method's bits, and the
-    prefill-time selection (once a sequence has been prefilled)."""
+    """Bytes by segment: sink and residual at the method's slot dtype for a model in ``dtype``,
+    blocks at the method's bits, and the prefill-time selection (once a sequence has been
+    prefilled)."""
     elements = spec.n_kv_heads * spec.head_dim  # per token, keys or values
     key_bits, value_bits = method.bits(layer, dtype)
-    return {"sink": elements * held.sink * 2 * dtype.itemsize,
+    slot = slot_bytes(method, spec, dtype)
+    return {"sink": held.sink * slot,
             "blocks": elements * held.blocks * method.group * (key_bits + value_bits) / 8,
-            "residual": elements * held.residual * 2 * dtype.itemsize,
+            "residual": held.residual * slot,
             "selection": method.selection_bits(spec) / 8 if selected else 0.0}
 
 
@@ -62,9 +64,13 @@ def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
         return 0.0
     slots = store.slot_rows * (store.method.sink + store.method.residual)
     unused = slots - sum(store.sink_len) - sum(store.res_len)
-    per_token = 2 * spec.n_kv_heads * spec.head_dim * dtype.itemsize
     free = len(store.pool.free) * page_bytes(store.method, spec, store.layer, dtype)
-    return unused * per_token + free
+    return unused * slot_bytes(store.method, spec, dtype) + free
+
+
+def slot_bytes(method: Method, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """One token's keys and values in a float slot (sink or residual) of a model in ``dtype``."""
+    return 2 * spec.n_kv_heads * spec.head_dim * method.slot_dtype(dtype).itemsize
 
 
 def page_bytes(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> float:

@@ -181,8 +181,10 @@ class KVMixCache(Cache):
         full-precision kinds (sink, residual, full blocks, unpacked layers) priced at 16 bits,
         everything else as held."""
         layers = [layer for layer in self.packed_layers if layer.is_initialized]
-        scale = 2 / layers[0].dtype.itemsize if layers else 1.0
-        return round(sum(held * (scale if kind in FULL_PRECISION_KINDS else 1)
+        dtype = layers[0].dtype if layers else torch.float16
+        widths = dict.fromkeys(FULL_PRECISION_KINDS, dtype.itemsize)
+        widths["sink"] = widths["residual"] = self.method.slot_dtype(dtype).itemsize
+        return round(sum(held * (2 / widths[kind] if kind in widths else 1)
                          for kind, held in self.nbytes_breakdown().items() if kind != FREE))
 
     def fp16_nbytes(self) -> int:

@@ -51,8 +51,10 @@ from kvmix.runtime.store import (
     RowFault,
     RowView,
     check_finite,
+    check_float16_range,
     peak,
     row_peaks,
+    stored,
 )
 
 
@@ -159,7 +161,9 @@ class KVMixLayer(CacheLayerMixin):
             self.check()
             check_finite(key_states, value_states, self.layer_idx)
         keys = self.method.transform_keys(key_states, self.layer_idx)
-        self.staged = keys, value_states
+        if not self.stepping:
+            self._check_slot_range(keys, value_states)
+        self.staged = stored(keys, self.method), stored(value_states, self.method)
         self.length += key_states.shape[-2]
         _HANDOFF.layer = self
         return self.staged
@@ -200,6 +204,8 @@ class KVMixLayer(CacheLayerMixin):
             self.lazy_initialization(keys, values)
         check_finite(keys, values, self.layer_idx)
         keys = self.method.transform_keys(keys, self.layer_idx)
+        self._check_slot_range(keys, values)
+        keys, values = stored(keys, self.method), stored(values, self.method)
         queries = self.method.transform_queries(queries, self.layer_idx)
         self.length += keys.shape[-2]
         self._commit([(keys[b : b + 1], values[b : b + 1], queries[b : b + 1])
@@ -222,6 +228,7 @@ class KVMixLayer(CacheLayerMixin):
         self._stage()
         self._undo.step = query, keys
         self.peaks = row_peaks(keys, values)
+        keys, values = stored(keys, self.method), stored(values, self.method)
         return self._write_and_attend(query, keys, values, scaling)
 
     def join(self, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -234,11 +241,13 @@ class KVMixLayer(CacheLayerMixin):
         first = self.store.batch
         for i, (_, keys, values) in enumerate(prompts):
             check_finite(keys, values, self.layer_idx, [first + i])
+            self._check_slot_range(keys, values, [first + i])
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
             if self.max_batch is not None:  # a cache sized up front: every row's slots now
                 self.store.reserve_rows(self.max_batch)
         self._check_batch(first + len(prompts))
+        prompts = [(q, stored(k, self.method), stored(v, self.method)) for q, k, v in prompts]
         self._stage()
         self.store.add_rows(len(prompts))
         self.pads += [0] * len(prompts)
@@ -328,6 +337,14 @@ class KVMixLayer(CacheLayerMixin):
                              "decoding (or, for a quantizing method, beyond the float16 range "
                              "±65504): kvmix keeps finite values only (check the model's dtype "
                              "and inputs)")
+
+    def _check_slot_range(self, keys: torch.Tensor, values: torch.Tensor,
+                          rows: list[int] | None = None) -> None:
+        """New tokens (keys in the cache's key space) fit float16 slots, or a ``RowFault``
+        naming their magnitude, before they are rounded to them (a decode step's are
+        checked on the device: ``peaks``, ``check``)."""
+        if self.method.slot_dtype(keys.dtype) == torch.float16:
+            check_float16_range(keys, values, self.layer_idx, rows)
 
     def _flag(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         _FLAGS[self] = peak(keys, values, _FLAGS.get(self))

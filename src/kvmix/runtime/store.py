@@ -8,8 +8,11 @@ padding), so a sequence gets the same store alone or in a padded batch.
 
 The storage is the batch's, not the sequence's:
 
-* float slots ``keys``, ``values``: [B, H, sink + residual, D]; row b's sink fills
-  ``[0, sink_len[b])`` and its residual ``[sink, sink + res_len[b])``;
+* float slots ``keys``, ``values``: [B, H, sink + residual, D] in the method's slot dtype
+  (``Method.slot_dtype``: float16 for a quantizing method in a float32 model); row b's sink
+  fills ``[0, sink_len[b])`` and its residual ``[sink, sink + res_len[b])``. New tokens are
+  rounded to it as they enter (``stored``), so a token is attended, kept and sealed as one
+  value;
 * sealed pages in the layer's ``PagePool``; per row the page ids and the tokens each holds
   (``group``, less only after a crop) — the block table;
 * per row the prefill selection (PN-Mix masks, ...), each its own storage.
@@ -75,6 +78,7 @@ class BatchStore:
         self.pool = pool
         self.window = window  # a sliding-window layer's W, or None (every token stays visible)
         self.keys = self.values = None  # [B, H, S + R, D]: views of the slot buffers
+        self.dtype: torch.dtype | None = None  # the model's: what sealing and reading see
         self._buffers: tuple[torch.Tensor, ...] = ()
         self.sink_len: list[int] = []
         self.res_len: list[int] = []
@@ -92,6 +96,7 @@ class BatchStore:
         """Empty slots for ``batch`` rows shaped like ``like`` [*, H, *, D]."""
         self.sink_len, self.res_len, self.pages, self.held = [], [], [], []
         self.dropped, self.selections, self.prefilled = [], [], []
+        self.dtype = like.dtype
         self._buffers = self._slot_buffers(batch, like)
         self._view(0)
         self.add_rows(batch)
@@ -157,7 +162,8 @@ class BatchStore:
 
     def _slot_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (rows, like.shape[1], self.method.sink + self.method.residual, like.shape[-1])
-        return like.new_zeros(shape), like.new_zeros(shape)
+        dtype = self.method.slot_dtype(self.dtype)
+        return like.new_zeros(shape, dtype=dtype), like.new_zeros(shape, dtype=dtype)
 
     def _view(self, rows: int) -> None:
         """``keys``, ``values``: the first ``rows`` rows of the slot buffers (contiguous)."""
@@ -249,8 +255,8 @@ class BatchStore:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``b``'s residual followed by its new tokens, keys, values [H, r + n, D]."""
         s, r = self.method.sink, self.res_len[b]
-        return (torch.cat([self.keys[b, :, s : s + r], keys], dim=1),
-                torch.cat([self.values[b, :, s : s + r], values], dim=1))
+        return (torch.cat([self.keys[b, :, s : s + r], keys.to(self.keys.dtype)], dim=1),
+                torch.cat([self.values[b, :, s : s + r], values.to(self.keys.dtype)], dim=1))
 
     def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
         """Row ``plan.row``'s residual and new tokens (``_joined``, [H, r + n, D]) into sink,
@@ -390,6 +396,7 @@ class BatchStore:
         step's on the device)."""
         if not rows:
             return
+        keys, values = keys.to(self.dtype), values.to(self.dtype)  # from the slots' dtype
         state = self.method.encode(keys, values, self.layer, self._selection_per_block(rows,
                                                                                       counts))
         ids = self.pool.write(Blocks(*state))
@@ -560,14 +567,16 @@ class RowView:
     def history(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference path: every held token, pages decoded -> keys, values [1, H, L, D]."""
         keys, values = self.decode_blocks(dtype)
-        keys = torch.cat([self.sink_keys, keys, self.res_keys], dim=-2)
-        values = torch.cat([self.sink_values, values, self.res_values], dim=-2)
+        keys = torch.cat([self.sink_keys.to(dtype), keys, self.res_keys.to(dtype)], dim=-2)
+        values = torch.cat([self.sink_values.to(dtype), values, self.res_values.to(dtype)],
+                           dim=-2)
         return keys, values
 
     def decode_blocks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """All pages in one decode call -> keys, values: [1, H, sum(lengths), D]."""
         if self.blocks is None:
-            return self.sink_keys[..., :0, :], self.sink_values[..., :0, :]
+            return (self.sink_keys[..., :0, :].to(dtype),
+                    self.sink_values[..., :0, :].to(dtype))
         keys, values = self.method.decode(self.blocks, self.layer, self.selection, dtype)
         keys, values = (x.transpose(1, 2).flatten(2, 3) for x in (keys, values))  # [1, H, n*G, D]
         if sum(self.lengths) < len(self.lengths) * self.method.group:  # a crop ended in a page
@@ -593,6 +602,14 @@ class RowFault(ValueError):
 def _cut(method: Method, plan: Placement) -> int:
     """Where a row's groups to seal end in its residual followed by its new tokens."""
     return plan.sink + plan.blocks * method.group
+
+
+def stored(x: torch.Tensor, method: Method) -> torch.Tensor:
+    """New keys or values as the float slots keep them (rounded to the method's slot dtype), in
+    their own dtype: what every path attends, so a token reads the same before and after it
+    enters its slot."""
+    slot = method.slot_dtype(x.dtype)
+    return x if slot == x.dtype else x.to(slot).to(x.dtype)
 
 
 def check_finite(keys: torch.Tensor, values: torch.Tensor, layer: int,

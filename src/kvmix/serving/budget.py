@@ -64,6 +64,12 @@ class Budget:
         """Per-model bytes of the method (transforms, ...), held once."""
         return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["static"]
 
+    @functools.cached_property
+    def slots(self) -> float:
+        """Bytes of one request's float slots (sink and residual, every layer): held whole by
+        every row, filled or not."""
+        return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["free"]
+
     def footprint(self, tokens: int) -> float:
         """Bytes one request holds at ``tokens`` tokens, the planner's formula."""
         if tokens not in self._footprints:

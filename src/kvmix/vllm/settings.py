@@ -79,7 +79,8 @@ def resolve(vllm_config: Any) -> Settings | None:
     method = laid_out(parse_method(text), text)
     model_config = vllm_config.model_config
     dtype = model_config.dtype
-    staging = _staging(raw.get("staging", "auto" if not method.quantizes else "float16"), dtype)
+    # by default the dtype kvmix's own cache keeps its float tail in (``Method.slot_dtype``)
+    staging = _staging(raw["staging"], dtype) if "staging" in raw else method.slot_dtype(dtype)
     hf_config = model_config.hf_config
     folded = getattr(hf_config, CONFIG_KEY, None) or {}
     spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))

@@ -86,14 +86,15 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
         floats += _float_blocks(view, row.lengths)
         view = None
     segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
-    float_keys = [_float32(k) for k, _ in segments]
-    float_values = [_float32(v) for _, v in segments]
+    float_keys = [_segment(k) for k, _ in segments]
+    float_values = [_segment(v) for _, v in segments]
     out = torch.ops.kvmix.decode(_float32(query[0]), scaling, float_keys, float_values, 1,
                                  row.method.group, row.lengths if view else [],
                                  *op_layouts(packed_layouts(view)))
     return out.unsqueeze(0).to(dtype)
 
 
+SEGMENT_DTYPES = (torch.float32, torch.float16)  # what the op reads of a float segment
 INTEGER_FLAGS = ("avx512bw", "avx512_vnni", "avx512vbmi")  # /proc/cpuinfo names
 
 
@@ -118,10 +119,10 @@ def describe() -> str:
 
 
 def batched(store: BatchStore) -> bool:
-    """Whether ``attend_batch`` reads this store: float32 slots and, once pages exist, a
-    view of them the op reads (float32 float pages, or packed ones whose groups are multiples
-    of 8); other methods go through ``attend`` per sequence."""
-    if store.keys.dtype != torch.float32:
+    """Whether ``attend_batch`` reads this store: float32 or float16 slots and, once pages
+    exist, a view of them the op reads (float32 float pages, or packed ones whose groups are
+    multiples of 8); other methods go through ``attend`` per sequence."""
+    if store.keys.dtype not in SEGMENT_DTYPES:
         return False
     pool = batch.pool_view(store)
     if pool is None or pool.view is None:
@@ -135,7 +136,7 @@ def batched(store: BatchStore) -> bool:
 def prepare(store: BatchStore) -> None:
     """Build what ``attend_batch`` reuses (the per-sequence views: one ``kernel_view`` call per
     distinct selection) at the prompt, so that decode steps do not."""
-    if store.keys.dtype == torch.float32:
+    if store.keys.dtype in SEGMENT_DTYPES:
         batch.pool_view(store)
 
 
@@ -230,6 +231,11 @@ def packed_layouts(view: KernelView | None) -> list:
 def op_layouts(layouts: list) -> list:
     """``packed_layouts`` as the op's TorchScript objects."""
     return [None if layout is None else layout.op() for layout in layouts]
+
+
+def _segment(x: torch.Tensor) -> torch.Tensor:
+    """A float segment as the op reads it: float16 slots as they are, anything else float32."""
+    return x.contiguous() if x.dtype in SEGMENT_DTYPES else x.float().contiguous()
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,16 @@ const T* data(const Tensor& t, const char* name) {
   return t.data_ptr<T>();
 }
 
+// A float segment's elements: float32, or float16 (a 32-bit model's float slots).
+bool floating(const Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
+}
+
+const void* elements(const Tensor& t, const char* name) {
+  return t.scalar_type() == at::kHalf ? static_cast<const void*>(data<at::Half>(t, name))
+                                      : static_cast<const void*>(data<float>(t, name));
+}
+
 bool valid_bits(int64_t bits) {
   return bits == 1 || bits == 2 || bits == 3 || bits == 4 || bits == 8;
 }
@@ -294,13 +304,16 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   for (size_t s = 0; s < float_keys.size(); ++s) {
     const Tensor& k = float_keys[s];
     check(k.dim() == 4 && k.size(1) == p.kv_heads && k.size(3) == p.dim &&
-              k.scalar_type() == at::kFloat && k.sizes() == float_values[s].sizes(),
-          "float segments must be [n, H, t, D] float32 keys and values of equal shape");
+              floating(k) && k.scalar_type() == float_values[s].scalar_type() &&
+              k.sizes() == float_values[s].sizes(),
+          "float segments must be [n, H, t, D] float32 or float16 keys and values of equal "
+          "shape and dtype");
     const bool causal = causal_last && s + 1 == float_keys.size();
     check(!causal || (k.size(0) == 1 && k.size(2) == p.queries),
           "the causal segment must hold exactly the new tokens");
-    p.segments.push_back({data<float>(k, "float keys"), data<float>(float_values[s], "float values"),
-                          k.size(0), k.size(2), causal, k.size(2) * p.dim});
+    p.segments.push_back({elements(k, "float keys"), elements(float_values[s], "float values"),
+                          k.size(0), k.size(2), causal, k.size(2) * p.dim,
+                          k.scalar_type() == at::kHalf});
   }
   if (!lengths.empty()) {
     p.packed = packed_layout(packed_args(planes, token_keys, value_groups), group, p.kv_heads,
@@ -332,8 +345,10 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   check(S > 0, "the batch is empty");
   check(slot_keys.dim() == 4, "slots must be [S, H, T, D]");
   check(slot_keys.dim() == 4 && slot_keys.size(0) == S && slot_keys.size(3) == D &&
-            slot_keys.scalar_type() == at::kFloat && slot_keys.sizes() == slot_values.sizes(),
-        "slots must be [S, H, T, D] float32 keys and values of equal shape");
+            floating(slot_keys) && slot_keys.scalar_type() == slot_values.scalar_type() &&
+            slot_keys.sizes() == slot_values.sizes(),
+        "slots must be [S, H, T, D] float32 or float16 keys and values of equal shape and "
+        "dtype");
   check(spans.dim() == 2 && spans.size(0) == S && spans.size(1) == 4, "spans must be [S, 4]");
   check(pages.dim() == 2 && pages.size(0) == S && held.sizes() == pages.sizes() &&
             counts.numel() == S, "the block table must be pages, held [S, M] and counts [S]");
@@ -342,8 +357,10 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   check(!skip.has_value() || (skip->dim() == 1 && skip->size(0) == S), "skip must be [S]");
   const int64_t* hidden = skip.has_value() ? data<int64_t>(*skip, "skip") : nullptr;
   const int64_t M = pages.size(1);
-  const float* keys = data<float>(slot_keys, "slot keys");
-  const float* values = data<float>(slot_values, "slot values");
+  const bool half = slot_keys.scalar_type() == at::kHalf;
+  const size_t width = half ? 2 : 4;  // bytes per element
+  const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
+  const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
   Packed pool;
   const bool packed = value_groups.has_value();
   const bool floats = page_keys.has_value();
@@ -362,7 +379,9 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
       check(start >= 0 && length >= 0 && start + length <= T, "spans must lie in the slots");
       const int64_t at = (s * H * T + start) * D;
-      if (length) p.segments.push_back({keys + at, values + at, 1, length, false, T * D});
+      if (length)
+        p.segments.push_back({keys + at * width, values + at * width, 1, length, false, T * D,
+                              half});
     }
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
     const int64_t* ids = data<int64_t>(pages, "pages") + s * M;

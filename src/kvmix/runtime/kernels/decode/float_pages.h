@@ -5,9 +5,19 @@ namespace {
 
 // ---- float segments ----
 
+// One block's keys or values of this head, [t, D] floats: where they lie (float32), or widened
+// into this task's buffer (float16).
+const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64_t block) {
+  const int64_t at = (block * p_.kv_heads + h_) * seg.head_stride;
+  if (!seg.half) return static_cast<const float*>(base) + at;
+  widened_.resize(seg.tokens * p_.dim);
+  halves(static_cast<const at::Half*>(base) + at, seg.tokens * p_.dim, widened_.data());
+  return widened_.data();
+}
+
 void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
   const int64_t D = p_.dim, T = seg.tokens, L = total_;
-  const float* keys = seg.keys + (block * p_.kv_heads + h_) * seg.head_stride;
+  const float* keys = segment_rows(seg, seg.keys, block);
   for (int64_t r = 0; r < p_.rows; ++r) {
     const int64_t i = r % p_.queries;  // this row's query token
     for (int64_t t = 0; t < T; ++t) {
@@ -19,7 +29,7 @@ void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
 
 void Task::float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
   const int64_t D = p_.dim, T = seg.tokens, L = total_;
-  const float* values = seg.values + (block * p_.kv_heads + h_) * seg.head_stride;
+  const float* values = segment_rows(seg, seg.values, block);
 #ifdef __AVX512F__
   if (D % 32 == 0) {  // RB rows × 32 channels in registers over every token
     for (int64_t r0 = 0; r0 < p_.padded; r0 += RB)

@@ -6,12 +6,13 @@ namespace {
 
 // ---- the problem -------------------------------------------------------------------------------
 
-struct FloatSegment {  // float keys/values [n, H, t, D]; heads `head_stride` floats apart
-  const float* keys;
-  const float* values;
+struct FloatSegment {  // float keys/values [n, H, t, D]; heads `head_stride` elements apart
+  const void* keys;    // float32, or float16 where `half` (a 32-bit model's sink and residual
+  const void* values;  // slots, widened as they are read)
   int64_t blocks, tokens;
   bool causal;  // the new tokens themselves: query i sees token j <= i
   int64_t head_stride;
+  bool half = false;
 };
 
 struct Plane {

@@ -132,6 +132,7 @@ class Task {
 
   // ---- float segments and float pages (decode/float_pages.h) ----
 
+  const float* segment_rows(const FloatSegment& seg, const void* base, int64_t block);
   void float_scores(const FloatSegment& seg, int64_t block, float* out);
   void float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc);
 
@@ -162,6 +163,7 @@ class Task {
   std::vector<int64_t> offsets_;
   int64_t total_ = 0;
   std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;
+  std::vector<float> widened_;  // a float16 segment's block of this head, as floats
   std::vector<std::vector<float>> plane_queries_;
   std::vector<bool> in_order_;  // plane i holds channels 0, 1, ..., C-1: its scales need no gather
   bool fused_keys_ = false;     // integer path, plane 0 every channel in order: key_weights
