@@ -15,6 +15,7 @@ from helpers import method_string
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import kvmix
+from kvmix.core.memory import storage_bytes
 from kvmix.runtime.store import sealed_groups
 from kvmix.serving.paged import KVMixManager, KVMixPagedCache, generate_batch
 from kvmix.serving.sampling import Sampling
@@ -110,6 +111,32 @@ def test_requests_wait_for_bytes_and_return_their_pages(model):
             == ids
     finally:
         manager.stop(block=True)
+
+
+def test_the_budget_prices_float_slots_at_the_bytes_the_cache_allocates(model):
+    """The budget's split counts each row's float slots at the dtype the cache allocates them
+    in: float16 by default in this float32 model, half the bytes of float32 slots, so the same
+    budget runs more requests at once."""
+    memory = budget_for(model, method_string("kivi2"), 4.5, 110)
+    rows, per_row = {}, {}
+    for dtype in ("float16", "float32"):
+        method = method_string("kivi2") + f",residual_dtype={dtype}"
+        manager = KVMixManager(model, method, memory, max_new_tokens=NEW, length=110)
+        manager.start()
+        try:
+            manager.add_request(prompts()[0])
+            result = manager.get_result(timeout=60)
+            assert result is not None and result.error is None
+            stores = [layer.store for layer in manager.cache.layers]
+            slots = sum(storage_bytes(s.keys) + storage_bytes(s.values) for s in stores)
+            assert {s.keys.dtype for s in stores} == {getattr(torch, dtype)}
+            budget = manager.budget
+            assert slots == budget.rows * budget.slots > 0  # what the split counted
+            rows[dtype], per_row[dtype] = budget.rows, budget.slots
+        finally:
+            manager.stop(block=True)
+    assert 2 * per_row["float16"] == per_row["float32"]
+    assert rows["float16"] > rows["float32"]
 
 
 def test_a_sliding_window_model_serves_each_request_as_alone():
