@@ -54,7 +54,10 @@ def test_fewer_bits_cost_more_accuracy(real_model, prose_ids, full_scored):
     assert kl["kivi4"] < kl["kivi2"]
 
 
-@pytest.mark.parametrize("method", ["kivi2:residual=32", "pnmix1:residual=64,group=64"])
+# float32 slots: padding changes the shapes of the model's forwards, whose float32 then differs
+# by an ulp, which float16 slots can round apart (see SERVED_METHOD in conftest)
+@pytest.mark.parametrize("method", ["kivi2:residual=32,residual_dtype=float32",
+                                    "pnmix1:residual=64,group=64,residual_dtype=float32"])
 def test_a_padded_batch_on_the_real_model_generates_what_each_prompt_generates_alone(
         real_model, method):
     tok, model = real_model.tokenizer, real_model.model

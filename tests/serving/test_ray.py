@@ -21,7 +21,7 @@ pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 os.environ["RAY_AUTH_MODE"] = "disabled"
 
 import ray
-from conftest import ray_files, saved_model
+from conftest import SERVED_METHOD, ray_files, saved_model
 from ray import serve
 from ray.cluster_utils import Cluster
 from transformers import LlamaForCausalLM
@@ -32,7 +32,7 @@ from kvmix.serving.launch import Scale, ServeConfig, deploy_config
 from kvmix.serving.replicas import FreePagesRouter, KVUsagePolicy, application
 
 pytestmark = pytest.mark.process  # a local Ray cluster: not in make check
-METHOD = "kivi2:sink=4,residual=16,group=8"
+METHOD = SERVED_METHOD  # the budgets below are sized for its float32 slots
 TIMEOUT = 60.0
 KEY = "ray-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
