@@ -162,7 +162,7 @@ class KVMixLayer(CacheLayerMixin):
             check_finite(key_states, value_states, self.layer_idx)
         keys = self.method.transform_keys(key_states, self.layer_idx)
         if not self.stepping:
-            self._check_slot_range(keys, value_states)
+            self._check_range(keys, value_states)
         self.staged = stored(keys, self.method), stored(value_states, self.method)
         self.length += key_states.shape[-2]
         _HANDOFF.layer = self
@@ -204,7 +204,7 @@ class KVMixLayer(CacheLayerMixin):
             self.lazy_initialization(keys, values)
         check_finite(keys, values, self.layer_idx)
         keys = self.method.transform_keys(keys, self.layer_idx)
-        self._check_slot_range(keys, values)
+        self._check_range(keys, values)
         keys, values = stored(keys, self.method), stored(values, self.method)
         queries = self.method.transform_queries(queries, self.layer_idx)
         self.length += keys.shape[-2]
@@ -241,7 +241,7 @@ class KVMixLayer(CacheLayerMixin):
         first = self.store.batch
         for i, (_, keys, values) in enumerate(prompts):
             check_finite(keys, values, self.layer_idx, [first + i])
-            self._check_slot_range(keys, values, [first + i])
+            self._check_range(keys, values, [first + i])
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
             if self.max_batch is not None:  # a cache sized up front: every row's slots now
@@ -338,12 +338,13 @@ class KVMixLayer(CacheLayerMixin):
                              "±65504): kvmix keeps finite values only (check the model's dtype "
                              "and inputs)")
 
-    def _check_slot_range(self, keys: torch.Tensor, values: torch.Tensor,
+    def _check_range(self, keys: torch.Tensor, values: torch.Tensor,
                           rows: list[int] | None = None) -> None:
-        """New tokens (keys in the cache's key space) fit float16 slots, or a ``RowFault``
-        naming their magnitude, before they are rounded to them (a decode step's are
-        checked on the device: ``peaks``, ``check``)."""
-        if self.method.slot_dtype(keys.dtype) == torch.float16:
+        """A quantizing method's new tokens (keys in the cache's key space) fit float16 — its
+        statistics and its float16 slots — or a ``RowFault`` naming their magnitude, before
+        anything is rounded or changed (a decode step's are bounded alike on the device:
+        ``peaks``, ``check``)."""
+        if self.method.quantizes:
             check_float16_range(keys, values, self.layer_idx, rows)
 
     def _flag(self, keys: torch.Tensor, values: torch.Tensor) -> None:
