@@ -11,14 +11,14 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import run_requests, tiny_llama
-from helpers import method_string
+from helpers import RESIDUAL, method_string
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import kvmix
 from kvmix.core.memory import storage_bytes
 from kvmix.runtime.store import sealed_groups
 from kvmix.serving.paged import KVMixManager, KVMixPagedCache, generate_batch
-from kvmix.serving.sampling import Sampling
+from kvmix.serving.sampling import RequestFault, Sampling
 
 LENGTHS = (20, 37, 51, 5, 70, 33)
 NEW = 40
@@ -421,6 +421,46 @@ def test_an_injected_fault_fails_only_its_request(model):
         if i != 2:
             assert results[f"r{i}"].error is None
             assert results[f"r{i}"].generated_tokens == alone(model, method, prompt), i
+    assert manager.stats.snapshot()["faulted_steps"] == 1
+    assert_nothing_held(manager)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1:selection=online"])
+def test_a_fault_at_commit_in_a_later_layer_undoes_the_step_in_every_layer(model, monkeypatch,
+                                                                          name):
+    """Layer 1's commit fails (naming r2) at a step where residuals fill, after layer 0
+    prepared its own: no layer keeps the step, r2 fails, and the others retry it and give,
+    token for token and draw for draw (a seeded sampled request with logprobs beside greedy
+    ones), what a fault-free run gives."""
+    from kvmix.runtime.layer import KVMixLayer
+
+    method = method_string(name)
+    requests = [{"input_ids": p, "request_id": f"r{i}"} for i, p in enumerate(prompts()[:4])]
+    requests[1]["sampling"] = Sampling(temperature=0.9, seed=7, logprobs=3)
+    clean = run_requests(KVMixManager(model, method, 1e8, max_new_tokens=NEW),
+                         [dict(r) for r in requests])
+    fired, prepare = [], KVMixLayer.prepare_commit
+
+    def failing(layer):
+        decoding = layer._undo is not None and layer._undo.step is not None
+        if layer.layer_idx == 1 and decoding and not fired and RESIDUAL in layer.store.res_len:
+            fired.append(True)  # a row's residual is full: this commit would seal a page
+            raise RequestFault({"r2": "injected at commit"})
+        return prepare(layer)
+
+    monkeypatch.setattr(KVMixLayer, "prepare_commit", failing)
+    manager = KVMixManager(model, method, 1e8, max_new_tokens=NEW)
+    results = run_requests(manager, [dict(r) for r in requests])
+    assert results["r2"].error == "injected at commit"
+    for rid in ("r0", "r1", "r3"):
+        assert results[rid].error is None
+        assert results[rid].generated_tokens == clean[rid].generated_tokens, rid
+    # the retried step has one row fewer: float32 sums differ in the last ulps
+    assert results["r1"].logprobs == pytest.approx(clean["r1"].logprobs, abs=1e-5)
+    tops, clean_tops = results["r1"].top_logprobs, clean["r1"].top_logprobs
+    assert [[t for t, _ in step] for step in tops] == [[t for t, _ in step] for step in clean_tops]
+    assert [v for step in tops for _, v in step] == pytest.approx(
+        [v for step in clean_tops for _, v in step], abs=1e-5)
     assert manager.stats.snapshot()["faulted_steps"] == 1
     assert_nothing_held(manager)
 

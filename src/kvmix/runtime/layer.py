@@ -50,6 +50,7 @@ from kvmix.runtime.store import (
     BatchStore,
     RowFault,
     RowView,
+    Sealing,
     check_finite,
     check_float16_range,
     peak,
@@ -259,9 +260,23 @@ class KVMixLayer(CacheLayerMixin):
     def commit(self) -> None:
         """The staged step is kept: rows that decoded follow it (online selection) and seal
         their full residuals."""
-        undo, self._undo = self._undo, None
-        if undo is not None and undo.step is not None:
-            self._seal_step(*undo.step)
+        self.keep(self.prepare_commit())
+
+    def prepare_commit(self) -> Sealing | None:
+        """What keeping the staged step changes here, computed with nothing changed: what can
+        fail in a commit fails here, so a cache of many layers commits all of them or none
+        (None: no decode step is staged)."""
+        undo = self._undo
+        if undo is None or undo.step is None:
+            return None
+        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
+            return self.store.sealing(*undo.step)
+
+    def keep(self, sealing: Sealing | None) -> None:
+        """Apply ``prepare_commit``'s result (nothing here can fail): the step is kept."""
+        self._undo = None
+        if sealing is not None:
+            self.store.keep(sealing)
 
     def rollback(self) -> None:
         """The staged step is undone: rows that joined leave (their pages return), the others'
@@ -323,9 +338,8 @@ class KVMixLayer(CacheLayerMixin):
 
     def _seal_step(self, query: torch.Tensor, keys: torch.Tensor) -> None:
         """After a step's tokens are written: selections follow them, full residuals seal."""
-        self.store.observe_step(query, keys)
         with fused_encoding(self.backend == "triton"):
-            self.store.flush()
+            self.store.keep(self.store.sealing(query, keys))
 
     def check(self) -> None:
         """Raise if a decode step since the last check stored a non-finite value (or one beyond

@@ -60,6 +60,17 @@ class Placement:
     dropped: int = 0  # of ``blocks``, the leading ones already outside the window: not sealed
 
 
+@dataclass
+class Sealing:
+    """What a decode step's commit changes in one store (``BatchStore.sealing``): every row's
+    selection after the step, the rows whose residual is full and their oldest groups encoded
+    (the method's state of one page each; None when no row is full)."""
+
+    selections: list[Any]
+    full: list[int]
+    blocks: Blocks | None
+
+
 def sealed_groups(method: Method, tokens: int) -> int:
     """The flush rule: groups sealed from a residual of ``tokens`` (it keeps fewer than
     ``residual``)."""
@@ -327,37 +338,44 @@ class BatchStore:
         self.res_len[b] += 1
         return self.method.sink + self.res_len[b] - 1
 
-    def observe_step(self, queries: torch.Tensor, keys: torch.Tensor) -> None:
-        """Methods that follow decoding (online selection) see each row's new token."""
-        if not self.method.follows_decoding():
-            return
-        for b in range(self.batch):
-            rows = slice(b, b + 1)
-            self.selections[b] = self.method.observe(self.selections[b], queries[rows],
-                                                     keys[rows], self.layer)
-        self.version += 1
-
-    def flush(self) -> None:
-        """Seal the oldest group of every row whose residual is full, in one ``encode`` call
-        (no host sync: the step's tokens were validated on the device, ``peak``); then release
-        the pages the next query of a sliding-window layer cannot see."""
+    def sealing(self, queries: torch.Tensor, keys: torch.Tensor) -> Sealing:
+        """What committing a decode step (its new tokens written: queries [B, Hq, 1, D], keys
+        [B, H, 1, D]) will change, computed with nothing changed: every row's selection after
+        the step (online selection sees each row's new token) and, for every row whose
+        residual is full, its oldest group encoded, in one ``encode`` call (no host sync: the
+        step's tokens were validated on the device, ``peak``). What can fail fails here."""
+        selections = self.selections
+        if self.method.follows_decoding():
+            selections = [self.method.observe(self.selections[b], queries[b : b + 1],
+                                              keys[b : b + 1], self.layer)
+                          for b in range(self.batch)]
         full = [b for b in range(self.batch) if self.res_len[b] >= self.method.residual]
-        if full:
-            self._seal_oldest(full)
-        self._slide(range(self.batch))
-
-    def _seal_oldest(self, full: list[int]) -> None:
-        m, s = self.method, self.method.sink
-        self.pool.reserve(len(full))
+        if not full:
+            return Sealing(selections, full, None)
+        self.pool.reserve(len(full))  # the pool may grow: no token changes place
         index = torch.tensor(full, device=self.keys.device)
-        keys, values = self.keys.index_select(0, index), self.values.index_select(0, index)
-        kept = slice(s + m.group, s + m.residual)
-        self.keys[index, :, s : s + m.residual - m.group] = keys[:, :, kept]
-        self.values[index, :, s : s + m.residual - m.group] = values[:, :, kept]
-        for b in full:
-            self.res_len[b] -= m.group
-        oldest = slice(s, s + m.group)  # [n, H, G, D]
-        self._seal(full, [1] * len(full), keys[:, :, oldest], values[:, :, oldest])
+        oldest = slice(self.method.sink, self.method.sink + self.method.group)
+        blocks = self._encode(full, [1] * len(full), self.keys[index, :, oldest],
+                              self.values[index, :, oldest], selections)  # [n, H, G, D] in
+        return Sealing(selections, full, blocks)
+
+    def keep(self, sealing: Sealing) -> None:
+        """Apply a step's ``sealing`` (nothing here can fail): the selections, each full row's
+        oldest group into a page and its residual moved up; then the pages the next query of
+        a sliding-window layer cannot see are released."""
+        if self.method.follows_decoding():
+            self.selections = sealing.selections
+            self.version += 1
+        if sealing.full:
+            m, s, full = self.method, self.method.sink, sealing.full
+            index = torch.tensor(full, device=self.keys.device)
+            kept = slice(s + m.group, s + m.residual)
+            self.keys[index, :, s : s + m.residual - m.group] = self.keys[index, :, kept]
+            self.values[index, :, s : s + m.residual - m.group] = self.values[index, :, kept]
+            for b in full:
+                self.res_len[b] -= m.group
+            self._store_pages(full, [1] * len(full), sealing.blocks)
+        self._slide(range(self.batch))
 
     # -- the window ----------------------------------------------------------------------------
 
@@ -387,25 +405,28 @@ class BatchStore:
     def _seal(self, rows: list[int], counts: list[int], keys: torch.Tensor,
               values: torch.Tensor) -> None:
         """Groups of ``rows`` (``counts`` each, in order), keys, values [n, H, G, D] -> pages,
-        in one ``encode`` call (validated by the caller: a prompt's before any change, a
-        step's on the device)."""
-        if not rows:
-            return
+        in one ``encode`` call (validated by the caller: a prompt's before any change)."""
+        if rows:
+            self._store_pages(rows, counts, self._encode(rows, counts, keys, values,
+                                                         self.selections))
+
+    def _encode(self, rows: list[int], counts: list[int], keys: torch.Tensor,
+                values: torch.Tensor, selections: list[Any]) -> Blocks:
+        """Groups of ``rows`` (``counts`` each), keys, values [n, H, G, D] in the slots' dtype
+        -> the method's state of n pages, each group with its row's selection."""
         keys, values = keys.to(self.dtype), values.to(self.dtype)  # from the slots' dtype
-        state = self.method.encode(keys, values, self.layer, self._selection_per_block(rows,
-                                                                                      counts))
-        ids = self.pool.write(Blocks(*state))
+        chosen = [selections[b] for b, n in zip(rows, counts, strict=True) for _ in range(n)]
+        selection = None if all(c is None for c in chosen) else combine(chosen, torch.cat)
+        return Blocks(*self.method.encode(keys, values, self.layer, selection))
+
+    def _store_pages(self, rows: list[int], counts: list[int], blocks: Blocks) -> None:
+        """Encoded groups (``_encode``) into the pool, appended to their rows' block tables."""
+        ids = self.pool.write(blocks)
         for b, count in zip(rows, counts, strict=True):
             self.pages[b] += ids[:count]
             self.held[b] += [self.method.group] * count
             ids = ids[count:]
         self.table_version += 1
-
-    def _selection_per_block(self, rows: list[int], counts: list[int]) -> Any:
-        chosen = [self.selections[b] for b, n in zip(rows, counts, strict=True) for _ in range(n)]
-        if all(s is None for s in chosen):
-            return None
-        return combine(chosen, torch.cat)
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 from kvmix.serving.sampling import (
     RequestFault,
+    SamplerMark,
     Sampling,
     ServedRequest,
     ServedRunner,
@@ -118,13 +119,17 @@ class Served:
 
     def _generation_step(self) -> None:
         """One forward and its sampling, then the cache keeps the step; a fault is contained
-        and the step skipped (no update of the requests)."""
+        and the step skipped (no update of the requests; their samplers as before it)."""
+        marks = [SamplerMark.mark(future.state)
+                 for future in self.batch_processor.inputs_and_outputs.requests_in_batch]
         try:
             super()._generation_step()
             commit = getattr(self.batch_processor.cache, "commit", None)
             if commit is not None:
                 commit()
         except Exception as error:
+            for mark in filter(None, marks):
+                mark.restore()
             self._contain(error)
             raise StepSkipped from error
         self.stats.record(self.batch_processor)

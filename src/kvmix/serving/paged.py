@@ -299,9 +299,11 @@ class KVMixPagedCache(PagedAttentionCache):
         return [(rid, why) for rid in self._step.ids[: len(first)]], first.float()
 
     def commit(self) -> None:
-        """The forward went through: every layer keeps the step."""
-        for layer in self.layers:
-            layer.commit()
+        """The forward went through: every layer keeps the step, or none does (what can fail
+        is computed in every layer first; a fault there leaves the step to ``rollback``)."""
+        sealings = [layer.prepare_commit() for layer in self.layers]
+        for layer, sealing in zip(self.layers, sealings, strict=True):
+            layer.keep(sealing)
         self._entries, self._step, self._before = [], None, None
 
     def rollback(self) -> None:

@@ -182,6 +182,29 @@ class ServedRequest(RequestState):
         return child
 
 
+@dataclass
+class SamplerMark:
+    """What a step's sampling changes in one request, as it was before the step: its
+    generator's state and how many top-logprob entries it had (``mark``, ``restore``)."""
+
+    state: ServedRequest
+    generator: torch.Tensor | None
+    entries: int
+
+    @classmethod
+    def mark(cls, state: Any) -> SamplerMark | None:
+        if not isinstance(state, ServedRequest):
+            return None
+        generator = None if state.generator is None else state.generator.get_state()
+        return cls(state, generator, len(state.top_logprobs))
+
+    def restore(self) -> None:
+        """The step is undone: a retried step draws and records what it drew the first time."""
+        if self.generator is not None:
+            self.state.generator.set_state(self.generator)
+        del self.state.top_logprobs[self.entries :]
+
+
 def sampling_processors(vocab: int) -> ContinuousBatchingLogitsProcessorList:
     """transformers' per-request temperature, top-k and top-p processors with neutral
     defaults. transformers does not apply them itself (``do_processing`` off): ``ServedRunner``
