@@ -25,19 +25,23 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/kvmix compare --methods full,kivi2,kivi4,kxvy:key_bits=4,value_bits=2,kxvy:key_bits=2,value_bits=4,pnmix1 --out results/compare
 
-# Every run prints where its time goes (the 25 slowest tests).
+# Every run prints where its time goes (the 25 slowest tests); tests run on WORKERS processes
+# (pytest-xdist, one thread each; the modules that start Ray share one worker).
 DURATIONS := --durations=25
+WORKERS ?= 2
+PARALLEL := -n $(WORKERS) --dist loadgroup
 
 test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q $(DURATIONS) --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) --ignore=tests/vllm
 	$(MAKE) test-vllm
 
 # The development loop: everything but the real model, other processes (servers, Ray, vLLM)
 # and the cold builds.
 check: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q $(DURATIONS) -m "not integration and not process" --ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) -m "not integration and not process" \
+		--ignore=tests/vllm
 
 # The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama).
 test-vllm: $(VLLM_STAMP)

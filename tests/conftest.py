@@ -20,6 +20,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM
 
+# Under pytest-xdist (make test: one worker per core) each worker computes on one thread: more
+# threads than cores slow every worker down.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 512, "pad_token_id": 0}
@@ -77,6 +82,24 @@ def ray_files():
 # The float16 default is served token for token in test_paged (and in the cache contract).
 SERVED_METHOD = "kivi2:sink=4,residual=16,group=8,residual_dtype=float32"
 SERVED_NEW = 24
+
+
+@contextlib.contextmanager
+def slowed(manager, seconds: float = 0.02):
+    """Every forward of ``manager``'s model takes ``seconds`` longer inside the block: a request
+    of many tokens then runs for seconds, so a test acts on it while it runs, however loaded
+    the machine (a tiny model otherwise finishes 150 tokens within one poll of the server)."""
+    model, forward = manager.model, manager.model.forward
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return forward(*args, **kwargs)
+
+    model.forward = slow
+    try:
+        yield
+    finally:
+        del model.forward
 
 
 @contextlib.contextmanager

@@ -38,6 +38,29 @@ def test_default_model_has_the_documented_layout(real_model):
     assert (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim) == (30, 9, 3, 64)
 
 
+def test_the_converted_default_model_is_the_gguf_files_conversion_bit_for_bit(real_model):
+    """load_model reads the GGUF file's conversion (kept under $KVMIX_CACHE): the weights,
+    configuration, tokens and name of transformers' own loading of the file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from kvmix.models.loading import smollm2_location
+
+    folder, gguf = smollm2_location()
+    direct = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf, dtype=torch.float32)
+    ours = dict(real_model.model.named_parameters())
+    assert ours.keys() == dict(direct.named_parameters()).keys()
+    assert all(torch.equal(ours[name], p) for name, p in direct.named_parameters())
+    theirs, mine = direct.config.to_dict(), real_model.model.config.to_dict()
+    assert {k for k in theirs.keys() | mine.keys() if theirs.get(k) != mine.get(k)} <= {
+        "architectures", "quantization_config"}  # the GGUF marker only
+    assert direct.generation_config.to_dict() == real_model.model.generation_config.to_dict()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    chat = [{"role": "user", "content": "Ünïcødé 日本語 and\ttabs"}]
+    assert tokenizer.apply_chat_template(chat, add_generation_prompt=True) == \
+        real_model.tokenizer.apply_chat_template(chat, add_generation_prompt=True)
+    assert real_model.source == f"{folder}/{gguf}"
+
+
 def test_kivi4_perplexity_is_within_5_percent_of_full(real_model, prose_ids, full_scored):
     kivi4 = score(real_model.model, prose_ids, "kivi4", CONTEXT, chunk=8)
     blocks = sum(kivi4.nbytes_breakdown[k] for k in ("codes", "scales", "zeros"))

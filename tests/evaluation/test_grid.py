@@ -26,6 +26,7 @@ from kvmix.evaluation import grid
 from kvmix.evaluation.grid import Failure, Grid, Worker
 from kvmix.models.loading import load_tokenizer
 
+pytestmark = pytest.mark.xdist_group("ray")  # under xdist: one local Ray at a time
 LAYOUT = "sink=4,residual=16,group=8"
 METHODS = ["full", f"kivi2:{LAYOUT}", f"pnmix1:{LAYOUT}", "kivi2:value_group=64"]  # the last
 # cannot bind to head dim 32: it fails in its worker

@@ -1,11 +1,15 @@
 """Loading: ``dtype="auto"`` follows the checkpoint on accelerators; the GGUF conversion's
-progress bar only draws on a terminal."""
+progress bar only draws on a terminal; a GGUF file's conversion is keyed by the file and read
+only once complete (the conversion itself, bit for bit: ``test_integration``)."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from conftest import tiny_llama
 
+from kvmix.models import loading
 from kvmix.models.loading import checkpoint_dtype, resolve_dtype, terminal_only_progress
 
 
@@ -33,3 +37,20 @@ def test_the_gguf_progress_bar_is_off_when_stderr_is_not_a_terminal():
         drawn = plain(range(3), file=sink)
         assert not drawn.disable  # as transformers draws it unpatched
         drawn.close()
+
+
+def test_a_gguf_files_conversion_is_keyed_by_the_file_and_read_once_complete(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("KVMIX_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = loading._conversion(str(tmp_path), gguf.name)
+    assert target.parent == tmp_path / "cache" / "models" and target.name.startswith("m-")
+    assert loading._readable(str(gguf)) == (str(tmp_path), {"gguf_file": "m.gguf"})
+    target.mkdir(parents=True)  # a conversion under way (or interrupted) is not read
+    assert loading._readable(str(gguf))[1] == {"gguf_file": "m.gguf"}
+    (target / loading.DONE).write_text(str(gguf))
+    assert loading._readable(str(gguf)) == (str(target), {})
+    assert loading.converted(str(tmp_path), gguf.name) == target  # complete: reused as is
+    os.utime(gguf, ns=(1, 1))  # the file changed: another conversion
+    assert loading._conversion(str(tmp_path), gguf.name) != target

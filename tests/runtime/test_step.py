@@ -184,15 +184,15 @@ def test_one_upload_per_step_for_every_layer_of_a_kind():
     assert len(layers) == 2 and all(layer.kind is layers[0].kind for layer in layers)
     prompt = torch.randint(1, 97, (3, 30), generator=torch.Generator().manual_seed(5))
     seals = []
-    flush = type(layers[0].store).flush
+    keep = type(layers[0].store).keep
 
-    def counted(store):
+    def counted(store, sealing):
         before = sum(map(len, store.pages))
-        flush(store)
+        keep(store, sealing)
         seals.append(sum(map(len, store.pages)) > before)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(type(layers[0].store), "flush", counted)
+        patch.setattr(type(layers[0].store), "keep", counted)
         with torch.no_grad():
             model.generate(prompt, cache=cache, max_new_tokens=20, do_sample=False,
                            eos_token_id=None)

@@ -31,7 +31,9 @@ from kvmix.models.loading import load_tokenizer
 from kvmix.serving.launch import Scale, ServeConfig, deploy_config
 from kvmix.serving.replicas import FreePagesRouter, KVUsagePolicy, application
 
-pytestmark = pytest.mark.process  # a local Ray cluster: not in make check
+# A local Ray cluster: not in make check; under xdist on the worker of the other Ray module
+# (one cluster at a time on this machine).
+pytestmark = [pytest.mark.process, pytest.mark.xdist_group("ray")]
 METHOD = SERVED_METHOD  # the budgets below are sized for its float32 slots
 TIMEOUT = 60.0
 KEY = "ray-test-key"

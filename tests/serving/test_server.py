@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import SERVED_METHOD, SERVED_NEW, idle, served_llama, serving
+from conftest import SERVED_METHOD, SERVED_NEW, idle, served_llama, serving, slowed
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmix
@@ -491,10 +491,11 @@ def test_a_non_streamed_client_that_leaves_is_cancelled(served, client):
     manager, url = served
     idle(manager)
     before = manager.stats.snapshot()["output_tokens"]
-    with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=0.5) as http:
-        http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 170,
-                                           "ignore_eos": True})
-    idle(manager)
+    with slowed(manager):  # 170 tokens take over 3 s: the client leaves long before
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=0.5) as http:
+            http.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 170,
+                                               "ignore_eos": True})
+        idle(manager)
     assert manager.stats.snapshot()["output_tokens"] - before < 170
 
 
@@ -505,7 +506,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_pages(served, client):
     idle(manager)
     tokens = manager.stats.snapshot()["output_tokens"]
     body = {"prompt": PROMPTS[1], "max_tokens": 170, "ignore_eos": True, "stream": True}
-    with client.stream("POST", "/v1/completions", json=body) as stream:
+    with slowed(manager), client.stream("POST", "/v1/completions", json=body) as stream:
         chunks = (line for line in stream.iter_lines() if line.startswith("data: "))
         for _ in range(40):
             next(chunks)
@@ -687,7 +688,7 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
     """The gateway gauge is the share of the budget the running request reserved; the pages
     a router weighs are those it did not reserve, fewer than the pages not in use now."""
     manager, _ = served
-    with client.stream("POST", "/v1/completions", json={
+    with slowed(manager), client.stream("POST", "/v1/completions", json={
             "prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True, "stream": True}) as s:
         next(line for line in s.iter_lines() if line.startswith("data: "))
         usage = metrics(client)[("kvmix:kv_cache_usage_perc", ())]

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvmix.core.paths import cache_root
 from kvmix.evaluation.loadtest import LocalServer, ServerDown
 from kvmix.runtime.cache import model_spec
 
@@ -59,8 +60,7 @@ class EngineMissing(RuntimeError):
 
 
 def root() -> Path:
-    cache = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix"))
-    return cache / "llama.cpp" / VERSION
+    return cache_root() / "llama.cpp" / VERSION
 
 
 def bin_dir() -> Path:

