@@ -279,7 +279,7 @@ def test_wush_calibrate_compare_and_export_on_the_real_model(real_model, tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(reloaded(ids).logits, real_model.model(ids).logits,
                                    rtol=0, atol=1e-3)
-    assert real_model.model.hf_quantizer is not None  # the user's model is untouched
+    assert not hasattr(real_model.model.config, "kvmix_folded")  # the user's model is untouched
 
 
 @pytest.mark.parametrize("method", ["kivi2", "pnmix1"])
