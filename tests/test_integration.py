@@ -295,18 +295,38 @@ def test_both_backends_generate_the_same_200_tokens(real_model, method):
     assert torch.equal(outputs["torch"], outputs["cpu"])
 
 
-@pytest.mark.parametrize("method", [m for m in method_names() if m != "wush"])
-def test_the_planner_predicts_real_caches_on_the_default_model(real_model, method):
-    """Every method and preset at several lengths and batches: the planner's bytes, from the
-    bundled config alone, are the cache's measured bytes within 1% (past the first block)."""
-    arch = architecture("smollm2")
-    text = load_text("prose")
+@pytest.fixture(scope="module")
+def prose_states(real_model):
+    """{(batch, tokens): every layer's keys and values [B, H, T, D] of that many prose prompts
+    of that many tokens}: one forward of the real model each, shared by the methods."""
+    from transformers import DynamicCache
+
+    text, states = load_text("prose"), {}
     for batch, tokens in ((1, 300), (2, 700)):
         ids = real_model.tokenizer([text[i * 9000:] for i in range(batch)], return_tensors="pt",
                                    truncation=True, max_length=tokens).input_ids
-        cache = kvmix.make_cache(real_model.model, method)
+        cache = DynamicCache(config=real_model.model.config)
         with torch.no_grad():
             real_model.model(ids, cache=cache, use_cache=True)
+        states[batch, tokens] = [(layer.keys, layer.values) for layer in cache.layers]
+    return states
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "wush"])
+def test_the_planner_predicts_real_caches_on_the_default_model(real_model, prose_states,
+                                                               method):
+    """Every method and preset at several lengths and batches: the planner's bytes, from the
+    bundled config alone, are the cache's measured bytes within 1% (past the first block).
+    Each layer of the method's cache stores the real model's keys and values of the prompts
+    (``fill``: the prefill's storage path without its attention)."""
+    arch = architecture("smollm2")
+    spec = kvmix.KVMixCache("full", real_model.model.config).spec
+    for (batch, tokens), states in prose_states.items():
+        cache = kvmix.make_cache(real_model.model, method)
+        queries = torch.randn(batch, spec.n_heads, tokens, spec.head_dim,
+                              generator=torch.Generator().manual_seed(tokens))
+        for layer, (keys, values) in zip(cache.packed_layers, states, strict=True):
+            layer.fill(keys, values, queries)
         plan = kv_bytes(bound(method, arch), arch, batch, tokens, torch.float32)
         assert sum(plan.values()) == pytest.approx(cache.nbytes(), rel=0.01), (batch, tokens)
 

@@ -691,7 +691,10 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
     with slowed(manager), client.stream("POST", "/v1/completions", json={
             "prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True, "stream": True}) as s:
         next(line for line in s.iter_lines() if line.startswith("data: "))
-        usage = metrics(client)[("kvmix:kv_cache_usage_perc", ())]
+        deadline = time.monotonic() + 10  # the gauge is refreshed once the step has ended
+        while (usage := metrics(client)[("kvmix:kv_cache_usage_perc", ())]) == 0 and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
         budget = manager.budget
         assert 0 < usage < 1 and usage == pytest.approx(
             manager.cache.reserved_bytes() / (budget.memory - budget.static), rel=1e-6)
