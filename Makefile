@@ -36,12 +36,12 @@ test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) --ignore=tests/vllm
 	$(MAKE) test-vllm
 
-# The development loop: everything but the real model, other processes (servers, Ray, vLLM)
-# and the cold builds.
+# The development loop: everything but the real model, other processes (servers, Ray, vLLM),
+# the cold builds and the Triton interpreter at production shapes (make test runs them all).
 check: $(STAMP)
 	$(BIN)/ruff check src tests
-	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) -m "not integration and not process" \
-		--ignore=tests/vllm
+	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) \
+		-m "not integration and not process and not interpreted" --ignore=tests/vllm
 
 # The plugin's tests, in the vLLM environment (vLLM engines on a tiny random Llama; one engine
 # per module, so a module stays on one worker).

@@ -50,6 +50,7 @@ def test_the_kernels_match_the_reference_through_a_generation(name):
     assert len(cache.layers[0].rows[0].lengths) >= 2
 
 
+@pytest.mark.interpreted
 @pytest.mark.parametrize("method", [PRODUCTION_METHODS[i] for i in (0, 2, 3, 5, 7)])
 def test_production_shapes_match_the_reference(method):
     """32:8 heads of 128, groups of 32-128: rows load as words where they are whole words

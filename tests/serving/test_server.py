@@ -690,13 +690,14 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
     manager, _ = served
     with slowed(manager), client.stream("POST", "/v1/completions", json={
             "prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True, "stream": True}) as s:
-        next(line for line in s.iter_lines() if line.startswith("data: "))
+        first = next(line for line in s.iter_lines() if line.startswith("data: "))
         deadline = time.monotonic() + 10  # the gauge is refreshed once the step has ended
         while (usage := metrics(client)[("kvmix:kv_cache_usage_perc", ())]) == 0 and \
                 time.monotonic() < deadline:
             time.sleep(0.02)
         budget = manager.budget
-        assert 0 < usage < 1 and usage == pytest.approx(
+        assert 0 < usage < 1, (first, manager.stats.snapshot(), manager.cache.reserved)
+        assert usage == pytest.approx(
             manager.cache.reserved_bytes() / (budget.memory - budget.static), rel=1e-6)
         figures = manager.cache.figures()  # a router weighs the pages no request reserved
         capacity = budget.capacity[0] * len(manager.cache.layers)
