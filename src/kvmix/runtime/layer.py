@@ -267,10 +267,7 @@ class KVMixLayer(CacheLayerMixin):
         fail in a commit fails here, so a cache of many layers commits all of them or none
         (None: no decode step is staged)."""
         undo = self._undo
-        if undo is None or undo.step is None:
-            return None
-        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
-            return self.store.sealing(*undo.step)
+        return None if undo is None or undo.step is None else self._sealing(*undo.step)
 
     def keep(self, sealing: Sealing | None) -> None:
         """Apply ``prepare_commit``'s result (nothing here can fail): the step is kept."""
@@ -338,8 +335,11 @@ class KVMixLayer(CacheLayerMixin):
 
     def _seal_step(self, query: torch.Tensor, keys: torch.Tensor) -> None:
         """After a step's tokens are written: selections follow them, full residuals seal."""
-        with fused_encoding(self.backend == "triton"):
-            self.store.keep(self.store.sealing(query, keys))
+        self.store.keep(self._sealing(query, keys))
+
+    def _sealing(self, query: torch.Tensor, keys: torch.Tensor) -> Sealing:
+        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
+            return self.store.sealing(query, keys)
 
     def check(self) -> None:
         """Raise if a decode step since the last check stored a non-finite value (or one beyond

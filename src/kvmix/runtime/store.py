@@ -64,10 +64,11 @@ class Placement:
 class Sealing:
     """What a decode step's commit changes in one store (``BatchStore.sealing``): every row's
     selection after the step, the rows whose residual is full and their oldest groups encoded
-    (the method's state of one page each; None when no row is full)."""
+    (the method's state of one page each; index and blocks None when no row is full)."""
 
     selections: list[Any]
     full: list[int]
+    index: torch.Tensor | None  # ``full`` on the store's device
     blocks: Blocks | None
 
 
@@ -351,13 +352,13 @@ class BatchStore:
                           for b in range(self.batch)]
         full = [b for b in range(self.batch) if self.res_len[b] >= self.method.residual]
         if not full:
-            return Sealing(selections, full, None)
+            return Sealing(selections, full, None, None)
         self.pool.reserve(len(full))  # the pool may grow: no token changes place
         index = torch.tensor(full, device=self.keys.device)
         oldest = slice(self.method.sink, self.method.sink + self.method.group)
         blocks = self._encode(full, [1] * len(full), self.keys[index, :, oldest],
                               self.values[index, :, oldest], selections)  # [n, H, G, D] in
-        return Sealing(selections, full, blocks)
+        return Sealing(selections, full, index, blocks)
 
     def keep(self, sealing: Sealing) -> None:
         """Apply a step's ``sealing`` (nothing here can fail): the selections, each full row's
@@ -367,8 +368,7 @@ class BatchStore:
             self.selections = sealing.selections
             self.version += 1
         if sealing.full:
-            m, s, full = self.method, self.method.sink, sealing.full
-            index = torch.tensor(full, device=self.keys.device)
+            m, s, full, index = self.method, self.method.sink, sealing.full, sealing.index
             kept = slice(s + m.group, s + m.residual)
             self.keys[index, :, s : s + m.residual - m.group] = self.keys[index, :, kept]
             self.values[index, :, s : s + m.residual - m.group] = self.values[index, :, kept]
