@@ -465,6 +465,35 @@ def test_a_fault_at_commit_in_a_later_layer_undoes_the_step_in_every_layer(model
     assert_nothing_held(manager)
 
 
+def test_a_fault_in_scheduling_fails_the_running_requests_and_the_loop_goes_on(model,
+                                                                             monkeypatch):
+    """Admission raises (a bug's stand-in) on r2 while r0 and r1, admitted in the same round,
+    were made ready: those two fail with the error, the loop lives, and r2 and r3 (still
+    waiting) then give what a fault-free run gives; nothing is held."""
+    requests = [{"input_ids": p, "request_id": f"r{i}"} for i, p in enumerate(prompts()[:4])]
+    clean = run_requests(KVMixManager(model, "kivi2", 1e8, max_new_tokens=NEW),
+                         [dict(r) for r in requests])
+    fired, admit = [], KVMixPagedCache.can_store_request_tokens
+
+    def failing(cache, state, request_len, dry_run=False):
+        if state.request_id == "r2" and not fired:
+            fired.append(True)
+            raise ZeroDivisionError("injected at admission")
+        return admit(cache, state, request_len, dry_run)
+
+    monkeypatch.setattr(KVMixPagedCache, "can_store_request_tokens", failing)
+    manager = KVMixManager(model, "kivi2", 1e8, max_new_tokens=NEW)
+    results = run_requests(manager, [dict(r) for r in requests])
+    assert fired
+    assert [results[r].error for r in ("r0", "r1")] == ["ZeroDivisionError: injected at "
+                                                        "admission"] * 2
+    for rid in ("r2", "r3"):
+        assert results[rid].error is None
+        assert results[rid].generated_tokens == clean[rid].generated_tokens, rid
+    assert manager.stats.snapshot()["faulted_requests"] == 2
+    assert_nothing_held(manager)
+
+
 def poison(manager, request_id: str, tokens: int, at: int = -1) -> None:
     """NaN into the keys of layer 1 of ``request_id``'s ``at``-th new token in the forward
     where it holds ``tokens`` tokens."""

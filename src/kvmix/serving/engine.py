@@ -6,7 +6,9 @@ A step that raises is contained: the cache is rolled back where it can be (kvmix
 the step in every layer), the requests the error names fail (every request of the step when it
 names none), and the others are put back as they were before the step — requests that were
 decoding retry it, requests that were joining wait again at the front of the queue — so the
-loop goes on and every other request gives the text it gives alone.
+loop goes on and every other request gives the text it gives alone. A fault outside the step
+(scheduling, admission, forks, the update after it) fails the requests it names, or every
+running one, and the loop goes on with those waiting.
 """
 
 from __future__ import annotations
@@ -135,10 +137,15 @@ class Served:
         self.stats.record(self.batch_processor)
 
     def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
-        """transformers' loop body; a skipped step goes on to the next; the figures after."""
+        """transformers' loop body; a skipped step goes on to the next; a fault in scheduling
+        or in the update after a step fails its requests, and the loop goes on; the figures
+        after."""
         try:
             return super()._generation_loop_body(batch_processor, bootstrapping)
         except StepSkipped:
+            return True
+        except Exception as error:  # outside the step: scheduling, admission, forks, update
+            self._contain_outside(error)
             return True
         finally:
             self.stats.refresh(batch_processor)
@@ -168,11 +175,32 @@ class Served:
             _requeue(processor, state)
         self.stats.count_faults(len(causes))
 
+    def _contain_outside(self, error: Exception) -> None:
+        """The loop body raised outside the step. kvmix's own checks name the requests at
+        fault (``RequestFault``, raised before anything changes): those fail. Anything else
+        may have left any scheduled request half-prepared (its position moved on, its tokens
+        swapped): every running request fails with the error. Waiting requests and the loop go
+        on."""
+        processor = self.batch_processor
+        active = processor.scheduler.active_requests
+        causes = error.causes if isinstance(error, RequestFault) else dict.fromkeys(
+            active, f"{type(error).__name__}: {error}")
+        failed = [rid for rid in causes if rid in active]
+        for request_id in failed:
+            self._fail(processor, active[request_id], causes[request_id])
+        self.stats.count_faults(len(failed))
+
     @staticmethod
     def _fail(processor: ContinuousBatchProcessor, state: Any, cause: str) -> None:
+        """The request fails with ``cause``; it is left nowhere (a round that raised while
+        admitting it may not have taken it off the waiting queue)."""
+        scheduler = processor.scheduler
         _drop_fork(processor, state)
         processor._handle_request_error(RuntimeError(cause), state)
-        processor.scheduler.finish_request(state.request_id)
+        scheduler.finish_request(state.request_id)
+        scheduler.waiting_requests.pop(state.request_id, None)
+        if state.request_id in scheduler.waiting_requests_order:
+            scheduler.waiting_requests_order.remove(state.request_id)
 
 
 def _requeue(processor: ContinuousBatchProcessor, state: Any) -> None:
