@@ -499,6 +499,24 @@ def test_a_non_streamed_client_that_leaves_is_cancelled(served, client):
     assert manager.stats.snapshot()["output_tokens"] - before < 170
 
 
+def test_a_client_that_leaves_cancels_every_prompt_and_choice_running_or_queued(served):
+    """Three prompts of two choices each, more rows than the budget runs at once (a prompt
+    waits): the client leaves after a second. Every choice stops, the queued prompt's too (its
+    two choices alone would add 340 tokens), and nothing stays held."""
+    manager, url = served
+    idle(manager)
+    assert manager.budget.rows < 6
+    before = manager.stats.snapshot()["output_tokens"]
+    body = {"prompt": PROMPTS[:3], "n": 2, "max_tokens": 170, "ignore_eos": True,
+            "temperature": 0.8}
+    with slowed(manager, 0.05):  # a step of 0.05 s at least: 170 tokens take 8.5 s
+        with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=url, timeout=1) as http:
+            answer = http.post("/v1/completions", json=body)
+            pytest.fail(f"answered: {answer.status_code} {answer.text[:300]}")
+        idle(manager)
+    assert manager.stats.snapshot()["output_tokens"] - before < 2 * 170
+
+
 def test_a_client_that_leaves_mid_stream_frees_its_pages(served, client):
     """The stream is closed after 40 chunks (pages sealed by then): the request is cancelled,
     and every layer's pages are free again."""

@@ -3,28 +3,23 @@ requests with timeouts, stopped by the test: its completions are the engine's.""
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
-from engines import engine, greedy, prompts, tiny_model_folder
+from engines import GIB, engine, greedy, prompts, tiny_model_folder
+
+from kvmix.evaluation.vllm_server import VllmServer
 
 METHOD = {"method": "kivi2"}
 START_TIMEOUT = 240  # seconds: vLLM's server starts in about a minute on 2 cores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
@@ -39,40 +34,20 @@ def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server():
-    with tiny_model_folder() as folder:
-        port = free_port()
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", folder,
-                   "--dtype", "float32", "--enforce-eager",
-                   "--host", "127.0.0.1", "--port", str(port), "--block-size", "32",
-                   "--max-model-len", "512", "--gpu-memory-utilization", "0.5",
-                   "--additional-config", json.dumps({"kvmix": METHOD})]
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.PIPE, text=True)
-        base = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + START_TIMEOUT
-            while time.monotonic() < deadline and process.poll() is None:
-                try:
-                    urllib.request.urlopen(f"{base}/health", timeout=2).close()
-                    break
-                except OSError:
-                    time.sleep(1)
-            else:
-                process.kill()
-                pytest.fail(f"vLLM's server did not start: {process.stderr.read()[-3000:]}")
-            yield folder, base
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
+    """vLLM's server on the tiny model, as ``kvmix loadtest`` starts it for a ``vllm:`` row
+    (1 GiB of KV cache, blocks of 32 tokens) -> (folder, URL, the server)."""
+    with tiny_model_folder() as folder, tempfile.TemporaryDirectory() as logs:
+        served = VllmServer(sys.executable, folder, f"vllm:{METHOD['method']}", GIB, 512,
+                            Path(logs) / "server.log", extra=["--block-size", "32"])
+        served.timeout = START_TIMEOUT
+        with served as base:
+            yield folder, base, served
 
 
 def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
-    folder, base = server
+    """Greedy completions with logprobs, then n=2 sampled: the engine's tokens; vLLM's cache
+    holds what 1 GiB holds in the engine (its tokens, as the server logs them)."""
+    folder, base, served = server
     ids = prompts([45, 70], seed=8)
     answers = []
     for request in ids:
@@ -90,3 +65,20 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
     assert status == 200 and len(body["choices"]) == 2, body
     with engine(folder, METHOD, block_size=32, max_model_len=512) as llm:
         assert greedy(llm, ids, tokens=12) == answers
+        blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    assert served.reported_tokens == blocks * 32
+
+
+def test_kvmix_loadtests_client_runs_against_vllms_server(server):
+    """``kvmix loadtest``'s client: four streamed requests, two at a time, each exactly its
+    tokens; vLLM's running gauge is found in /metrics."""
+    from kvmix.evaluation.loadtest import run_level
+
+    _, base, _ = server
+    texts = [" ".join(f"t{i}" for i in range(5 + k, 40 + k)) for k in range(4)]
+    outcomes, _, peaks = asyncio.run(run_level(base, texts, [8, 5], 2, 60.0))
+    assert [o.error for o in outcomes] == [None] * 4
+    assert [o.tokens for o in outcomes] == [8, 5, 8, 5]
+    assert len({o.prompt_tokens for o in outcomes}) == 1 and outcomes[0].prompt_tokens >= 35
+    # the gauge the loadtest reads for "most running" (too short a run to catch it nonzero)
+    assert 0 <= peaks["vllm:num_requests_running"] <= 2

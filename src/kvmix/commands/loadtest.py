@@ -3,10 +3,12 @@ one given by ``--url``, or one server per method it starts itself (a subprocess 
 the same ``--memory`` for every method): ``kvmix serve`` for a kvmix method, ``transformers``
 for transformers' own paged float cache, ``llama.cpp:TYPE`` (or ``llama.cpp:K/V``) for
 llama.cpp's own ``llama-server`` on the same GGUF with that cache type and the most slots whose
-cache fits the budget (``kvmix.evaluation.llamacpp``) — with requests/s, output tokens/s, time to
-first token and per output token (p50/p99), failures, and the most requests running and cache
-bytes held at once, side by side in ``results.json`` and plots. A llama.cpp server that is not
-built or does not come up is reported in its row; the other servers still run."""
+cache fits the budget (``kvmix.evaluation.llamacpp``), ``vllm:METHOD`` (or ``vllm:auto``,
+``vllm:fp8``) for vLLM's OpenAI server with kvmix's plugin (or its own cache) in the same bytes
+(``kvmix.evaluation.vllm_server``) — with requests/s, output tokens/s, time to first token and
+per output token (p50/p99), failures, and the most requests running and cache bytes held at
+once, side by side in ``results.json`` and plots. An engine that is not built or does not come
+up is reported in its row; the other servers still run."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmix.commands.args import config_from
-from kvmix.evaluation import llamacpp
+from kvmix.evaluation import llamacpp, vllm_server
 from kvmix.evaluation.data import prompt_set
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, run_level, summary
 from kvmix.evaluation.planner import parse_memory
@@ -31,8 +33,10 @@ COLUMNS = {"method": "method", "concurrency": "concurrency", "requests": "reques
            "output_tokens_per_s": "output tok/s", "ttft_p50_s": "TTFT p50 s",
            "ttft_p99_s": "TTFT p99 s", "tpot_p50_ms": "ms/token p50",
            "tpot_p99_ms": "ms/token p99", "peak_running": "most running",
-           "slots": "slots", "peak_cache_mb": "peak cache MB"}
-RUNNING = ("kvmix:num_requests_running", "llamacpp:requests_processing")  # /metrics gauges
+           "slots": "slots", "cache_tokens": "cache tokens", "peak_cache_mb": "peak cache MB"}
+SLACK = 64  # tokens a vLLM request may take beyond --prompt + --tokens (its own tokenization)
+RUNNING = ("kvmix:num_requests_running", "llamacpp:requests_processing",
+           "vllm:num_requests_running")  # /metrics gauges
 
 
 @dataclass
@@ -51,6 +55,7 @@ class LoadtestConfig:
     backend: str = "auto"
     max_batch_tokens: int = 2048
     timeout: float = 3600.0  # seconds a request may take, waiting included
+    vllm_python: str = vllm_server.DEFAULT_PYTHON  # the vLLM environment's, for vllm: rows
     out: str | None = None
 
 
@@ -60,7 +65,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--url", default=None, help="a running server (else one per method)")
     parser.add_argument("--methods", default=",".join(defaults.methods),
                         help="servers to start: kvmix methods, 'transformers' (its own cache), "
-                             "llama.cpp:TYPE or llama.cpp:K/V (llama-server, e.g. llama.cpp:f16)")
+                             "llama.cpp:TYPE or llama.cpp:K/V (llama-server, e.g. llama.cpp:f16), "
+                             "vllm:METHOD or vllm:auto (vLLM's server, with kvmix's plugin or "
+                             "its own cache)")
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--memory", default=defaults.memory, help="every server's KV budget")
     parser.add_argument("--concurrency", default="1,8,32")
@@ -74,6 +81,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--backend", default=defaults.backend)
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens)
     parser.add_argument("--timeout", type=float, default=defaults.timeout)
+    parser.add_argument("--vllm-python", default=defaults.vllm_python,
+                        help="the vLLM environment's interpreter (make vllm), for vllm: rows")
     parser.add_argument("--out", default=None, help="folder for results.json and plots")
     parser.set_defaults(run=lambda args: run_loadtest(config_from(LoadtestConfig, args)))
 
@@ -99,7 +108,7 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
                     console.print(f"{rows[-1]['method']} · concurrency {concurrency}: "
                                   f"{rows[-1]['output_tokens_per_s']:.1f} output tok/s, "
                                   f"{rows[-1]['failures']} failed")
-        except llamacpp.EngineMissing as error:
+        except (llamacpp.EngineMissing, vllm_server.VllmMissing) as error:
             console.print(f"[red]{method}: {error}[/red]")
             rows.append({"method": method, "error": str(error)})
     print_table(f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt} + "
@@ -165,6 +174,8 @@ def _counts(config: LoadtestConfig) -> list[int]:
     engines = [] if config.url else llamacpp.settings(config.methods)
     for method in engines:
         llamacpp.parse_types(method)
+    for method in [] if config.url else vllm_server.settings(config.methods):
+        vllm_server.parse(method)
     if engines:
         from kvmix.models.loading import gguf_path
 
@@ -198,6 +209,18 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
                             "cpu_variant": server.cpu_variant,
                             "resolved": " ".join(server.command(0)[1:]),
                             "engine": llamacpp.server_version()}
+    elif method.startswith(vllm_server.PREFIX):
+        from kvmix.models.loading import model_folder
+
+        with _log_folder(config) as folder:
+            server = vllm_server.VllmServer(
+                config.vllm_python, model_folder(config.model), method,
+                int(parse_memory(config.memory)), config.prompt + max(config.tokens) + SLACK,
+                folder / f"{method.replace(':', '-').replace('/', '-')}.log")
+            with server as url:
+                yield url, {"cache_bytes": server.memory, "cache_tokens": server.reported_tokens,
+                            "resolved": " ".join(server.command(0)[1:]),
+                            "engine": server.version()}
     else:
         with _kvmix_server(config, method) as url:
             yield url, {"resolved": _resolved(method)}
@@ -205,11 +228,11 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
 
 @contextlib.contextmanager
 def _log_folder(config: LoadtestConfig):
-    """Where llama-server's log goes: ``--out``/logs, else a folder removed afterwards."""
+    """Where an engine's server log goes: ``--out``/logs, else a folder removed afterwards."""
     if config.out:
         yield Path(config.out) / "logs"
     else:
-        with tempfile.TemporaryDirectory(prefix="kvmix-llama-") as folder:
+        with tempfile.TemporaryDirectory(prefix="kvmix-engine-") as folder:
             yield Path(folder)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from kvmix.core.paths import cache_root
-from kvmix.evaluation.loadtest import LocalServer, ServerDown
+from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 from kvmix.runtime.cache import model_spec
 
 PREFIX = "llama.cpp:"  # a row that runs llama.cpp: llama.cpp:TYPE or llama.cpp:K/V
@@ -252,7 +252,7 @@ class LlamaServer(LocalServer):
             url = super().__enter__()
         except ServerDown as error:
             raise EngineMissing(f"llama-server did not come up ({error}); its log {self.log} "
-                                f"ends: {_tail(self.log)}") from None
+                                f"ends: {log_tail(self.log)}") from None
         log = self.log.read_text(errors="replace")
         self.reported_bytes = reported_cache_bytes(log)
         self.cpu_variant = next(iter(re.findall(r"libggml-cpu-([\w.]+)\.so", log)), None)
@@ -263,11 +263,6 @@ def reported_cache_bytes(log: str) -> int | None:
     """The cache size llama.cpp logs at load (``llama_kv_cache: size = X MiB``), in bytes."""
     sizes = re.findall(r"llama_kv_cache: size = +([\d.]+) MiB", log)
     return round(sum(float(size) for size in sizes) * 2**20) if sizes else None
-
-
-def _tail(log: Path) -> str:
-    lines = log.read_text(errors="replace").strip().splitlines() if log.is_file() else []
-    return " | ".join(lines[-3:])
 
 
 if __name__ == "__main__":

@@ -160,6 +160,12 @@ class ServerDown(RuntimeError):
     """A local server exited or did not answer /health in time; the message says which."""
 
 
+def log_tail(log: Path | None, lines: int = 3) -> str:
+    """The last lines of a server's log, joined (what a row shows when it did not come up)."""
+    text = log.read_text(errors="replace").strip().splitlines() if log and log.is_file() else []
+    return " | ".join(line[-300:] for line in text[-lines:])
+
+
 class LocalServer:
     """A server subprocess on a free port of 127.0.0.1 (``command(port)``), output to ``log``
     when given: entering starts it and waits until ``/health`` answers 200 -> its URL

@@ -69,7 +69,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str = "auto", device: str = "cp
     logging.disable_progress_bar()  # kvmix shows its own progress
 
     origin, gguf = _locate(name)
-    folder = str(converted(origin, gguf)) if gguf else origin
+    folder = model_folder(name)
     # the checkpoint's dtype matters on an accelerator only (reading a config costs seconds)
     checkpoint = checkpoint_dtype(folder) if dtype == "auto" and device != "cpu" else None
     torch_dtype = resolve_dtype(dtype, device, checkpoint)
@@ -97,6 +97,13 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
 
     folder, extra = _readable(name)
     return AutoTokenizer.from_pretrained(folder, **extra)
+
+
+def model_folder(name: str = DEFAULT_MODEL) -> str:
+    """What transformers (or vLLM) loads for ``name``: a GGUF file's float conversion
+    (``converted``), else ``name`` itself (a folder or a hub id)."""
+    origin, gguf = _locate(name)
+    return str(converted(origin, gguf)) if gguf else origin
 
 
 def converted(folder: str, gguf: str) -> Path:

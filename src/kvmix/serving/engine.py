@@ -29,6 +29,8 @@ from kvmix.serving.sampling import (
 )
 from kvmix.serving.stats import Stats
 
+OUTSIDE_FAULTS = 3  # faults outside the step in a row that end the loop: it cannot go on
+
 
 class StepSkipped(Exception):
     """A step was contained (its faulty requests failed, the others put back): no update."""
@@ -56,6 +58,7 @@ class Served:
         """Called once transformers' manager is built: its processors become the per-request
         sampling ones."""
         self.stats = Stats()
+        self._outside_faults = 0  # faults outside the step in a row
         self.logit_processor = sampling_processors(model.config.get_text_config().vocab_size)
 
     def _runner(self, processor: ContinuousBatchProcessor) -> ContinuousBatchProcessor:
@@ -138,13 +141,19 @@ class Served:
 
     def _generation_loop_body(self, batch_processor: Any, bootstrapping: bool) -> bool:
         """transformers' loop body; a skipped step goes on to the next; a fault in scheduling
-        or in the update after a step fails its requests, and the loop goes on; the figures
-        after."""
+        or in the update after a step fails its requests, and the loop goes on, unless it
+        recurs ``OUTSIDE_FAULTS`` turns in a row (a broken loop then dies, as before); the
+        figures after."""
         try:
-            return super()._generation_loop_body(batch_processor, bootstrapping)
+            going = super()._generation_loop_body(batch_processor, bootstrapping)
+            self._outside_faults = 0
+            return going
         except StepSkipped:
             return True
         except Exception as error:  # outside the step: scheduling, admission, forks, update
+            self._outside_faults += 1
+            if self._outside_faults >= OUTSIDE_FAULTS:
+                raise
             self._contain_outside(error)
             return True
         finally:

@@ -1,0 +1,99 @@
+"""vLLM's OpenAI server as a row of ``kvmix loadtest`` (``vllm:SETTING``): vLLM's CPU engine,
+in the environment of its own (``make vllm``), on the same model and the same cache budget
+(``--kv-cache-memory-bytes``). ``vllm:METHOD`` runs a kvmix method through kvmix's plugin (vLLM
+sizes its pages by the method's bits); ``vllm:auto`` and ``vllm:fp8`` are vLLM's own caches (the
+model's float32, and fp8 where the CPU has AVX-512). ``reported_tokens`` is the cache size vLLM
+logs at start; a server that does not come up (a method the plugin refuses, fp8 on a CPU
+without AVX-512) is reported in its row with the end of its log."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
+
+PREFIX = "vllm:"
+OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
+DEFAULT_PYTHON = ".venv-vllm/bin/python"
+
+
+class VllmMissing(RuntimeError):
+    """vLLM's environment is missing or its server did not come up; the message says why."""
+
+
+def settings(names: list[str]) -> list[str]:
+    """The vLLM rows (``vllm:…``) among method or baseline names."""
+    return [name for name in names if name.startswith(PREFIX)]
+
+
+def parse(setting: str) -> str:
+    """``vllm:METHOD`` or ``vllm:DTYPE`` -> the kvmix method string or vLLM's cache dtype;
+    ValueError naming what is valid (before any server starts)."""
+    from kvmix.methods import parse_method
+
+    name = setting.removeprefix(PREFIX)
+    if name in OWN:
+        return name
+    try:
+        parse_method(name)
+    except ValueError as error:
+        raise ValueError(f"method={setting!r} is invalid; expected vllm:METHOD with a kvmix "
+                         f"method, or vllm:DTYPE with vLLM's own {', '.join(OWN)} ({error})"
+                         ) from None
+    return name
+
+
+class VllmServer(LocalServer):
+    """vLLM's OpenAI server for one setting, until the block ends: float32, eager, at most
+    ``max_model_len`` tokens a request, ``memory`` bytes of KV cache, with ``extra`` arguments
+    (``--block-size 32``)."""
+
+    timeout = 300.0  # vLLM starts in about a minute on 2 cores
+
+    def __init__(self, python: str, model: str, setting: str, memory: int, max_model_len: int,
+                 log: Path, extra: tuple[str, ...] | list[str] = ()):
+        super().__init__(log)
+        self.python, self.model, self.setting = python, model, parse(setting)
+        self.memory, self.max_model_len, self.extra = memory, max_model_len, list(extra)
+        self.reported_tokens: int | None = None
+        # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override the budget
+        self.env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+        self.env.update(PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")  # its engine
+        self.env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "auto")  # a core for the server
+
+    def command(self, port: int) -> list[str]:
+        cache = ["--kv-cache-dtype", self.setting] if self.setting in OWN else [
+            "--additional-config", json.dumps({"kvmix": {"method": self.setting}})]
+        return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
+                "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+                "--port", str(port), "--kv-cache-memory-bytes", str(self.memory),
+                "--max-model-len", str(self.max_model_len), *cache, *self.extra]
+
+    def __enter__(self) -> str:
+        if not Path(self.python).is_file():
+            raise VllmMissing(f"vllm_python={self.python!r} does not exist: build vLLM's "
+                              "environment with `make vllm`")
+        try:
+            url = super().__enter__()
+        except ServerDown as error:
+            raise VllmMissing(f"vLLM's server did not come up ({error}); its log {self.log} "
+                              f"ends: {log_tail(self.log)}") from None
+        self.reported_tokens = reported_tokens(self.log.read_text(errors="replace"))
+        return url
+
+    def version(self) -> str | None:
+        """The vLLM distribution in that environment (vllm-cpu on a CPU, vllm on CUDA)."""
+        probe = ("import importlib.metadata as m; d = m.packages_distributions()['vllm'][0]; "
+                 "print(d, m.version(d))")
+        done = subprocess.run([self.python, "-c", probe], capture_output=True, text=True)
+        return done.stdout.strip() or None
+
+
+def reported_tokens(log: str) -> int | None:
+    """The tokens vLLM's cache holds, as it logs them at start (``KV cache size: N tokens``)."""
+    found = re.findall(r"KV cache size: ([\d,]+) tokens", log)
+    return int(found[-1].replace(",", "")) if found else None
