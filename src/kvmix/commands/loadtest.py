@@ -125,7 +125,7 @@ def _row(method: str, concurrency: int, outcomes: list, wall: float, peaks: dict
     return {"method": method, "concurrency": concurrency, **summary(outcomes, wall),
             "peak_running": max((peaks[name] for name in RUNNING if name in peaks),
                                 default=None),
-            "peak_cache_mb": cache / 1e6, **facts,
+            "peak_cache_mb": cache / 1e6 if cache else None, **facts,
             "errors": sorted({o.error for o in outcomes if o.error})[:5]}
 
 
@@ -218,7 +218,10 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
                 int(parse_memory(config.memory)), config.prompt + max(config.tokens) + SLACK,
                 folder / f"{method.replace(':', '-').replace('/', '-')}.log")
             with server as url:
-                yield url, {"cache_bytes": server.memory, "cache_tokens": server.reported_tokens,
+                # vLLM reports the tokens its cache holds, not its bytes: the budget it was given
+                # is a setting, not a figure of this row
+                yield url, {"kv_cache_memory_bytes": server.memory,
+                            "cache_tokens": server.reported_tokens,
                             "resolved": " ".join(server.command(0)[1:]),
                             "engine": server.version()}
     else:

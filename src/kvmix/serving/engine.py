@@ -186,17 +186,18 @@ class Served:
 
     def _contain_outside(self, error: Exception) -> None:
         """The loop body raised outside the step. kvmix's own checks name the requests at
-        fault (``RequestFault``, raised before anything changes): those fail. Anything else
-        may have left any scheduled request half-prepared (its position moved on, its tokens
-        swapped): every running request fails with the error. Waiting requests and the loop go
-        on."""
+        fault (``RequestFault``, raised before anything changes): those fail, running or
+        waiting. Anything else may have left any scheduled request half-prepared (its position
+        moved on, its tokens swapped): every running request fails with the error. The other
+        waiting requests and the loop go on."""
         processor = self.batch_processor
-        active = processor.scheduler.active_requests
+        scheduler = processor.scheduler
+        states = {**scheduler.waiting_requests, **scheduler.active_requests}
         causes = error.causes if isinstance(error, RequestFault) else dict.fromkeys(
-            active, f"{type(error).__name__}: {error}")
-        failed = [rid for rid in causes if rid in active]
+            scheduler.active_requests, f"{type(error).__name__}: {error}")
+        failed = [rid for rid in causes if rid in states]
         for request_id in failed:
-            self._fail(processor, active[request_id], causes[request_id])
+            self._fail(processor, states[request_id], causes[request_id])
         self.stats.count_faults(len(failed))
 
     @staticmethod
