@@ -54,7 +54,8 @@ timeout 70 python scripts/gpu_step.py --out "$out/step" --context 15000 --batch 
 timeout 150 python scripts/gpu_throughput.py --out "$out/throughput" --requests 96 \
   2>&1 | tee "$out/throughput.txt"
 # 5. kvmix inside vLLM, where mainline vLLM is installed: the plugin's tests with
-#    --attention-backend CUSTOM (its decode runs the torch reference path on CUDA so far)
+#    --attention-backend CUSTOM (decode rows through kvmix's Triton kernels over vLLM's block
+#    table, compiled for the device: the same _pages and _merge kernels as step 1)
 if python -c "import vllm" 2>/dev/null; then
   timeout 300 python -m pytest -q -x -p no:cacheprovider tests/vllm 2>&1 | tail -n 30 \
     | tee "$out/vllm.txt"

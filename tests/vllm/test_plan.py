@@ -17,6 +17,7 @@ from transformers import LlamaConfig
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, parse_method
 from kvmix.runtime.cache import model_spec
+from kvmix.runtime.kernels import gpu
 from kvmix.vllm.layer import LayerCache, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StagingLost, plan_step
@@ -32,7 +33,8 @@ METHODS = ["full", "kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "kxvy:rotate=key
            "pnmix1", "kitty", "chanmix", "wush", "ggml-k8v4"]
 
 
-def settings_for(name: str, staging: torch.dtype = torch.float32) -> Settings:
+def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str = "auto"
+                 ) -> Settings:
     per_token = name.startswith("ggml")
     text = name if per_token else method_string(name, sink=0, residual=G, group=G)
     method = laid_out(parse_method(text), text)
@@ -40,7 +42,7 @@ def settings_for(name: str, staging: torch.dtype = torch.float32) -> Settings:
     fold = method.value_fold(model_spec(config))
     spec = model_spec(config, PAIRS, None, fold[1] if fold else None)
     method.bind(spec)
-    return Settings(method, staging, text, spec, torch.float32)
+    return Settings(method, staging, text, spec, torch.float32, kernels)
 
 
 class Run:
@@ -174,12 +176,35 @@ def test_pages_reused_by_new_sequences_decode_with_their_new_selections():
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
 def test_the_fused_op_and_the_reference_path_agree(name):
     fused = Run(settings_for(name)).run()
-    assert fused.cache.fused, "the CPU op is not built here"
-    reference = Run(settings_for(name))
-    reference.cache.fused = False
-    reference.run()
+    assert fused.cache.kernels == "cpu", "the CPU op is not built here"
+    reference = Run(settings_for(name, kernels="torch")).run()
+    assert reference.cache.kernels == "torch"
     for a, b in zip(fused.outputs, reference.outputs, strict=True):
         assert_near(a, b, op_tolerance(fused.method))
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")
+@pytest.mark.parametrize("name", ["full", "kivi2", "pnmix1", "chanmix", "wush"])
+def test_the_triton_kernels_read_vllms_pages_as_the_reference_path_does(name):
+    """Decode rows through kvmix's Triton kernels over vLLM's block table (what a CUDA device
+    runs; here Triton's interpreter): per-token, per-channel (one, two and four planes) and
+    float pages, the same outputs as the reference path, pages out of order."""
+    fused = Run(settings_for(name, kernels="triton")).run()
+    assert fused.cache.kernels == "triton"
+    reference = Run(settings_for(name, kernels="torch")).run()
+    for a, b in zip(fused.outputs, reference.outputs, strict=True):
+        assert_near(a, b, op_tolerance(fused.method, gpu))
+
+
+@pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")
+def test_triton_splits_of_a_rows_pages_merge_to_the_reference_path(monkeypatch):
+    """Many programs per row and KV head, as on a GPU: a row's pages in vLLM's block table
+    split between them, the splits merged by log-sum-exp."""
+    monkeypatch.setattr(gpu, "PROGRAMS", 64)
+    fused = Run(settings_for("kivi2", kernels="triton")).run()
+    reference = Run(settings_for("kivi2", kernels="torch")).run()
+    for a, b in zip(fused.outputs, reference.outputs, strict=True):
+        assert_near(a, b, op_tolerance(fused.method, gpu))
 
 
 def test_float16_staging_keeps_what_float16_holds():
@@ -240,9 +265,18 @@ def test_layouts_vllm_blocks_cannot_hold_are_refused(text, match):
         laid_out(parse_method(text), text)
 
 
-def test_a_cache_off_the_cpu_decodes_through_the_reference_path():
-    from kvmix.vllm.layer import _fused
+def test_kernels_follow_the_device_and_a_choice_they_cannot_honour_is_refused(monkeypatch):
+    """auto: the CPU op on CPU, Triton on CUDA, the reference path where neither reads the
+    cache (with a warning); the CPU op asked for by name on CUDA is refused."""
+    from kvmix.vllm import layer
 
-    method = settings_for("kivi2").method
-    assert _fused(method, D, torch.float32, torch.device("cpu"))
-    assert not _fused(method, D, torch.float32, torch.device("cuda"))
+    method, cpu, cuda = settings_for("kivi2").method, torch.device("cpu"), torch.device("cuda")
+    assert layer.kernels("auto", method, D, torch.float32, cpu) == "cpu"
+    assert layer.kernels("auto", method, D, torch.float32, cuda) == "triton"
+    assert layer.kernels("torch", method, D, torch.float32, cuda) == "torch"
+    with pytest.raises(Refused, match="kernels='cpu' cannot be honoured: the cache is on cuda"):
+        layer.kernels("cpu", method, D, torch.float32, cuda)
+    monkeypatch.setattr(layer.gpu, "available", lambda: (False, "Triton is not installed"))
+    assert layer.kernels("auto", method, D, torch.float32, cuda) == "torch"
+    with pytest.raises(Refused, match="Triton is not installed"):
+        layer.kernels("triton", method, D, torch.float32, cuda)

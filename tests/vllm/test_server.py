@@ -67,6 +67,7 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
         assert greedy(llm, ids, tokens=12) == answers
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     assert served.reported_tokens == blocks * 32
+    assert 0 < served.startup_s < START_TIMEOUT  # measured: spawn to /health
 
 
 def test_kvmix_loadtests_client_runs_against_vllms_server(server):

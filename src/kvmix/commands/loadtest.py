@@ -6,9 +6,10 @@ llama.cpp's own ``llama-server`` on the same GGUF with that cache type and the m
 cache fits the budget (``kvmix.evaluation.llamacpp``), ``vllm:METHOD`` (or ``vllm:auto``,
 ``vllm:fp8``) for vLLM's OpenAI server with kvmix's plugin (or its own cache) in the same bytes
 (``kvmix.evaluation.vllm_server``) — with requests/s, output tokens/s, time to first token and
-per output token (p50/p99), failures, and the most requests running and cache bytes held at
-once, side by side in ``results.json`` and plots. An engine that is not built or does not come
-up is reported in its row; the other servers still run."""
+per output token (p50/p99), failures, the most requests running and cache bytes held at once,
+and the seconds each server took to start (spawn to ``/health``), side by side in
+``results.json`` and plots. An engine that is not built or does not come up is reported in its
+row; the other servers still run."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ COLUMNS = {"method": "method", "concurrency": "concurrency", "requests": "reques
            "output_tokens_per_s": "output tok/s", "ttft_p50_s": "TTFT p50 s",
            "ttft_p99_s": "TTFT p99 s", "tpot_p50_ms": "ms/token p50",
            "tpot_p99_ms": "ms/token p99", "peak_running": "most running",
-           "slots": "slots", "cache_tokens": "cache tokens", "peak_cache_mb": "peak cache MB"}
+           "slots": "slots", "cache_tokens": "cache tokens", "peak_cache_mb": "peak cache MB",
+           "startup_s": "start-up s"}
 SLACK = 64  # tokens a vLLM request may take beyond --prompt + --tokens (its own tokenization)
 RUNNING = ("kvmix:num_requests_running", "llamacpp:requests_processing",
            "vllm:num_requests_running")  # /metrics gauges
@@ -204,7 +206,8 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
                                           torch.get_num_threads(),
                                           folder / f"{method.replace('/', '-')}.log")
             with server as url:
-                yield url, {"slots": plan.slots, "cache_bytes": server.reported_bytes,
+                yield url, {"startup_s": server.startup_s, "slots": plan.slots,
+                            "cache_bytes": server.reported_bytes,
                             "planned_cache_bytes": plan.bytes,
                             "cpu_variant": server.cpu_variant,
                             "resolved": " ".join(server.command(0)[1:]),
@@ -220,13 +223,15 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
             with server as url:
                 # vLLM reports the tokens its cache holds, not its bytes: the budget it was given
                 # is a setting, not a figure of this row
-                yield url, {"kv_cache_memory_bytes": server.memory,
+                yield url, {"startup_s": server.startup_s,
+                            "kv_cache_memory_bytes": server.memory,
                             "cache_tokens": server.reported_tokens,
                             "resolved": " ".join(server.command(0)[1:]),
                             "engine": server.version()}
     else:
-        with _kvmix_server(config, method) as url:
-            yield url, {"resolved": _resolved(method)}
+        server = _kvmix_server(config, method)
+        with server as url:
+            yield url, {"startup_s": server.startup_s, "resolved": _resolved(method)}
 
 
 @contextlib.contextmanager

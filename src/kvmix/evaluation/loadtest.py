@@ -169,8 +169,8 @@ def log_tail(log: Path | None, lines: int = 3) -> str:
 class LocalServer:
     """A server subprocess on a free port of 127.0.0.1 (``command(port)``), output to ``log``
     when given: entering starts it and waits until ``/health`` answers 200 -> its URL
-    (``ServerDown`` when it exits first or takes over ``timeout`` seconds); the block's end
-    stops it."""
+    (``ServerDown`` when it exits first or takes over ``timeout`` seconds), the seconds that
+    took in ``startup_s``; the block's end stops it."""
 
     timeout = 300.0
     env: dict[str, str] | None = None
@@ -178,6 +178,7 @@ class LocalServer:
     def __init__(self, log: Path | None = None):
         self.log = log
         self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None
 
     def command(self, port: int) -> list[str]:
         raise NotImplementedError
@@ -195,12 +196,13 @@ class LocalServer:
                                             stderr=subprocess.STDOUT if output else None,
                                             env=self.env)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + self.timeout
-        while time.monotonic() < deadline and self.process.poll() is None:
+        start = time.monotonic()
+        while time.monotonic() < start + self.timeout and self.process.poll() is None:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    self.startup_s = time.monotonic() - start
                     return url
-            time.sleep(0.5)
+            time.sleep(0.2)
         code = self.process.poll()
         self.__exit__()
         raise ServerDown(f"exit code {code}" if code is not None

@@ -63,8 +63,8 @@ def page_bytes(settings: Settings, dtype: torch.dtype) -> int:
 
 
 class KvmixBackend(AttentionBackend):
-    """kvmix's packed formats as a vLLM attention backend (CPU: kvmix's fused op; CUDA:
-    ``--attention-backend CUSTOM``)."""
+    """kvmix's packed formats as a vLLM attention backend (CPU: kvmix's fused op; CUDA, with
+    ``--attention-backend CUSTOM``: its Triton kernels)."""
 
     settings: ClassVar[Settings]  # set on the class ``backend_for`` makes
     accept_output_buffer: bool = True

@@ -6,10 +6,11 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
 1. seal — every group completed this step (staged tokens and new ones) encoded in one
    ``encode`` call and written into its page; a row's first group first picks the row's
    selection from its tokens' queries and keys, later groups copy it from the first page;
-2. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op over vLLM's
-   block table, their float context the staged tokens and the new one; longer rows (prefill
-   chunks) through the reference path: each token over the packed groups before its own
-   (decoded pages) and its own group's floats, as a decode at its position would see them;
+2. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op (on CUDA,
+   its Triton kernels: two launches) over vLLM's block table, their float context the staged
+   tokens and the new one; longer rows (prefill chunks) through the reference path: each token
+   over the packed groups before its own (decoded pages) and its own group's floats, as a
+   decode at its position would see them;
 3. stage — the new tokens of groups still open written to their staging slots.
 """
 
@@ -22,11 +23,12 @@ import torch
 
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
-from kvmix.runtime.kernels import batch, cpu
+from kvmix.runtime.kernels import batch, cpu, gpu
 from kvmix.runtime.kernels.reference import sdpa
+from kvmix.runtime.steps import Table
 from kvmix.vllm.pages import Page, layout
 from kvmix.vllm.plan import Chunk, StepPlan
-from kvmix.vllm.settings import Settings
+from kvmix.vllm.settings import Refused, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +51,7 @@ class LayerCache:
                                                                device=device)
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
-        self.fused = _fused(method, spec.head_dim, dtype, device)
+        self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
 
@@ -101,19 +103,25 @@ class LayerCache:
     # -- attend --------------------------------------------------------------------------------
 
     def _decode(self, plan: StepPlan, query, key, value, scale: float, output) -> None:
-        """Every one-token row in one op call (or, without the op, row by row)."""
+        """Every one-token row in one call of the fused kernels (or, without them, row by
+        row)."""
         tokens = plan.decode_tokens
         context = [self._context(plan, x, staged) for x, staged in
                    ((key, self.staged_keys), (value, self.staged_values))]
-        if not self.fused:
+        if self.kernels == "torch":
             for row, token in enumerate(tokens.tolist()):
                 self._reference(plan, row, token, query, context, scale, output)
             return
         pool = self._pool_view(plan)
-        arguments = batch.arguments(pool, "cpu", cpu.built_arguments)
-        out = torch.ops.kvmix.decode_batch(
-            query[0, :, tokens].transpose(0, 1).float().contiguous(), scale, *context,
-            plan.spans, self.method.group, plan.table, plan.held, plan.counts, *arguments)
+        rows = query[0, :, tokens].transpose(0, 1).float().contiguous()  # [Rd, Hq, D]
+        if self.kernels == "triton":
+            table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
+            out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
+                                   (*context, plan.spans))
+        else:
+            out = torch.ops.kvmix.decode_batch(
+                rows, scale, *context, plan.spans, self.method.group, plan.table, plan.held,
+                plan.counts, *batch.arguments(pool, "cpu", cpu.built_arguments))
         output[tokens] = out.to(output.dtype)
 
     def _context(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
@@ -179,13 +187,16 @@ class LayerCache:
         return map_tensors(self.pages.selection, lambda t: t.index_select(0, index))
 
     def _pool_view(self, plan: StepPlan) -> batch.PoolView:
-        """The pool as the op reads it, with each decode row's selection (rebuilt only when the
-        rows' first pages, or the selections stored, change)."""
+        """The pool as the kernels read it, with each decode row's selection (rebuilt only when
+        the rows' first pages, or the selections stored, change). Without selections the CPU
+        op reads one for every row; the Triton kernels index a row's own."""
+        rows = len(plan.decode_first) if self.kernels == "triton" else 1
         firsts = None if self.pages.selection is None else plan.decode_first
-        key = (self._selected, firsts)
+        key = (self._selected, firsts, rows)
         if self._views[0] != key or self._views[1] is None:
             pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))
-            selections = [None] if firsts is None else [self._selection([p]) for p in firsts]
+            selections = [None] * rows if firsts is None else [self._selection([p])
+                                                                for p in firsts]
             self._views = key, batch.build_pool_view(self.method, self.layer, pool, selections)
         return self._views[1]
 
@@ -265,14 +276,31 @@ def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
         target.index_copy_(0, index, source.to(target.dtype))
 
 
-def _fused(method: Method, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether decode rows go through kvmix's fused CPU op (else the reference path)."""
-    reason = (f"the cache is on {device.type} (kvmix's Triton kernels are not wired to vLLM yet)"
-              if device.type != "cpu" else cpu.available()[1] or cpu.unserved(method, head_dim))
-    if not reason and method.fast_path.startswith("reference only"):
-        reason = f"{method.name} has no fused decode path in kvmix"
-    if not reason and not method.quantizes and dtype != torch.float32:
-        reason = f"float pages of {dtype} (the op reads float32)"
+def kernels(asked: str, method: Method, head_dim: int, dtype: torch.dtype,
+            device: torch.device) -> str:
+    """The kernels decode rows go through: kvmix's fused CPU op (``cpu``), its Triton kernels
+    (``triton``) or the reference path (``torch``). ``auto``: the CPU op on CPU, Triton
+    elsewhere, else the reference path, with a warning naming why; kernels asked for by name
+    that cannot read this cache are ``Refused``."""
+    choice = asked if asked != "auto" else "cpu" if device.type == "cpu" else "triton"
+    reason = "" if choice == "torch" else _unserved(choice, method, head_dim, dtype, device)
+    if reason and asked != "auto":
+        raise Refused(f"kernels={asked!r} cannot be honoured: {reason}")
     if reason:
         logger.warning("kvmix: decode through the reference path: %s", reason)
-    return not reason
+    return "torch" if reason else choice
+
+
+def _unserved(choice: str, method: Method, head_dim: int, dtype: torch.dtype,
+              device: torch.device) -> str:
+    """Why ``choice``'s kernels cannot decode this cache ("" when they can)."""
+    if method.fast_path.startswith("reference only"):
+        return f"{method.name} has no fused decode path in kvmix"
+    if choice == "triton":
+        return gpu.available()[1] or gpu.unserved(method, head_dim)
+    if device.type != "cpu":
+        return f"the cache is on {device.type} (the CPU op reads the CPU's memory)"
+    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
+    if not reason and not method.quantizes and dtype != torch.float32:
+        reason = f"float pages of {dtype} (the op reads float32)"
+    return reason

@@ -27,7 +27,8 @@ from kvmix.runtime.folding import CONFIG_KEY
 KEY = "kvmix"  # the key of --additional-config
 STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "auto": None}  # auto: the model's dtype
-FIELDS = ("method", "staging")
+KERNELS = ("auto", "cpu", "triton", "torch")  # auto: the CPU op on CPU, Triton on CUDA
+FIELDS = ("method", "staging", "kernels")
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
 
@@ -39,13 +40,15 @@ class Refused(ValueError):
 @dataclass(frozen=True, eq=False)
 class Settings:
     """A resolved kvmix configuration: the method bound to the model (with the layout above),
-    the dtype of the float staging, and the method string as given."""
+    the dtype of the float staging, the method string as given, and the kernels decode rows
+    go through (``KERNELS``)."""
 
     method: Method
     staging: torch.dtype
     text: str
     spec: ModelSpec
     dtype: torch.dtype  # the model's
+    kernels: str = "auto"
 
     @property
     def group(self) -> int:
@@ -53,7 +56,8 @@ class Settings:
 
 
 def requested(vllm_config: Any) -> dict[str, Any] | None:
-    """The kvmix entry of vLLM's additional config ({"method": ..., "staging": ...}), or None."""
+    """The kvmix entry of vLLM's additional config ({"method": ..., "staging": ...,
+    "kernels": ...}), or None."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(KEY) if isinstance(extra, dict) else None
     if raw is None:
@@ -62,10 +66,13 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
         raw = {"method": raw}
     if not isinstance(raw, dict) or "method" not in raw:
         raise Refused(f'--additional-config {{"{KEY}": ...}} must be a method string or '
-                      f'{{"method": "...", "staging": "float16"}}; got {raw!r}')
+                      f'{{"method": "...", "staging": "float16", "kernels": "auto"}}; '
+                      f'got {raw!r}')
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
+    if raw.get("kernels", "auto") not in KERNELS:
+        raise Refused(f"kernels={raw['kernels']!r} is invalid; valid: {', '.join(KERNELS)}")
     return raw
 
 
@@ -90,7 +97,7 @@ def resolve(vllm_config: Any) -> Settings | None:
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
-    return Settings(method, staging, text, spec, dtype)
+    return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"))
 
 
 def laid_out(method: Method, text: str) -> Method:

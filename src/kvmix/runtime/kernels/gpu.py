@@ -124,19 +124,30 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
     program per sequence, KV head and split of its pages: scores, online softmax and p·V
     straight from the codes, no score buffer; one more per sequence and KV head for its slots),
     one launch merging them by log-sum-exp."""
-    rows, heads, dim = query.shape[0], store.keys.shape[1], query.shape[-1]
-    grouped = query.contiguous().view(rows, heads, -1, dim)  # [B, H, R, D], scaled as it loads
     pool = batch.pool_view(store)
     if pool.view is None:  # no page yet: float "pages" the kernel never reads (counts are 0)
         pool = batch.PoolView(KernelView(store.keys, store.values), [], [], None)
-    step = store.step
-    steps = store.steps
-    partials = _page_partials(pool, steps.table(store), step.skips, grouped, scaling,
-                              store.method.group, _precision(query),
-                              (store.keys, store.values, step.spans), steps.workspace)
-    out = torch.empty(rows * query.shape[1], dim, dtype=query.dtype, device=query.device)
+    step, steps = store.step, store.steps
+    out = decode_pages(pool, steps.table(store), query[:, :, 0], scaling, store.method.group,
+                       (store.keys, store.values, step.spans), step.skips, steps.workspace)
+    return out.unsqueeze(2)
+
+
+def decode_pages(pool: batch.PoolView, table: Table, query: torch.Tensor, scaling: float,
+                 group: int, slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                 skip: torch.Tensor | None = None, workspace: Workspace | None = None
+                 ) -> torch.Tensor:
+    """query [B, Hq, D] of each row's new token over its pages in ``pool`` (``table``) and its
+    float slots (keys, values [B, H, T, D], spans [B, 4]) -> [B, Hq, D]: the two launches of
+    ``attend_batch``, with the arguments of the CPU op's ``decode_batch`` (kvmix's cache and
+    its vLLM plugin, which holds vLLM's block table)."""
+    rows, query_heads, dim = query.shape
+    grouped = query.contiguous().view(rows, slots[0].shape[1], -1, dim)  # [B, H, R, D]
+    partials = _page_partials(pool, table, skip, grouped, scaling, group, _precision(query),
+                              slots, workspace)
+    out = torch.empty(rows * query_heads, dim, dtype=query.dtype, device=query.device)
     _merge_into(*partials, out)
-    return out.view(rows, query.shape[1], 1, dim)
+    return out.view(rows, query_heads, dim)
 
 
 def _row_pages(view: KernelView, lengths: list[int],
