@@ -72,7 +72,10 @@ def _one_block(sigma: torch.Tensor, weight: torch.Tensor, kind: str,
     damped = sigma + damping * sigma.diagonal().mean().clamp_min(1e-12) * torch.eye(
         size, dtype=torch.float64)
     upper = torch.linalg.cholesky(damped, upper=True)  # UᵀU = Σ + λI
-    left, singular, _ = torch.linalg.svd(upper @ weight.T)  # U Wᵀ = V S Yᵀ, V square
+    product = upper @ weight.T  # [b, m]
+    # U Wᵀ = V S Yᵀ with V square: Y is never used, so it is computed whole (m × m: 1728 × 1728
+    # for a 576-wide output projection) only where W is thinner than the block
+    left, singular, _ = torch.linalg.svd(product, full_matrices=product.shape[1] < size)
     singular = torch.cat([singular, singular.new_zeros(size - singular.numel())])
     singular = singular.clamp_min(damping * singular.max())  # keep T invertible when W is thin
     inverse = torch.linalg.solve_triangular(upper, torch.eye(size, dtype=torch.float64),
