@@ -26,6 +26,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
+
+def pytest_collection_modifyitems(config, items):
+    """The real model's tests first, as one module (its fixtures stay set up once): they are
+    the longest, and under xdist the tests that start last set the end of the run (a long one
+    there leaves the other worker idle)."""
+    items.sort(key=lambda item: item.path.name != "test_integration.py")  # stable
+
+
 TINY = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
         "max_position_embeddings": 512, "pad_token_id": 0}
