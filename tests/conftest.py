@@ -9,7 +9,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import threading
 import time
 
 import pytest
@@ -108,28 +107,6 @@ def slowed(manager, seconds: float = 0.02):
     try:
         yield
     finally:
-        del model.forward
-
-
-@contextlib.contextmanager
-def held(manager, after: int = 1, timeout: float = 30.0):
-    """Inside the block, ``manager``'s model waits before its forward number ``after + 1``
-    until the ``threading.Event`` it yields is set (or ``timeout`` passes): a running request
-    stays running, its first tokens out, however fast or loaded the machine."""
-    model, forward = manager.model, manager.model.forward
-    release, calls = threading.Event(), []
-
-    def wait_then_forward(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > after:
-            release.wait(timeout)
-        return forward(*args, **kwargs)
-
-    model.forward = wait_then_forward
-    try:
-        yield release
-    finally:
-        release.set()
         del model.forward
 
 
