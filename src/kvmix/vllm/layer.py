@@ -23,7 +23,7 @@ import torch
 
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
-from kvmix.runtime.kernels import batch, cpu, gpu
+from kvmix.runtime.kernels import batch, cpu, gpu, triton_unusable
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
 from kvmix.vllm.pages import Page, layout
@@ -297,7 +297,7 @@ def _unserved(choice: str, method: Method, head_dim: int, dtype: torch.dtype,
     if method.fast_path.startswith("reference only"):
         return f"{method.name} has no fused decode path in kvmix"
     if choice == "triton":
-        return gpu.available()[1] or gpu.unserved(method, head_dim)
+        return triton_unusable(device) or gpu.unserved(method, head_dim)
     if device.type != "cpu":
         return f"the cache is on {device.type} (the CPU op reads the CPU's memory)"
     reason = cpu.available()[1] or cpu.unserved(method, head_dim)

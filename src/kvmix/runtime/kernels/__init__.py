@@ -48,11 +48,17 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _triton(backend: str, device: torch.device) -> str:
+def triton_unusable(device: torch.device) -> str:
+    """Why the Triton kernels cannot run on ``device``'s tensors ("" when they can)."""
     ok, cause = gpu.available()
     if ok and device.type != "cuda" and not interpreting():
-        ok, cause = False, f"Triton runs on CUDA tensors; the model is on {device}"
-    return _usable(backend, "triton", ok, cause, "Triton kernels")
+        return f"Triton runs on CUDA tensors; the model is on {device}"
+    return cause
+
+
+def _triton(backend: str, device: torch.device) -> str:
+    cause = triton_unusable(device)
+    return _usable(backend, "triton", not cause, cause, "Triton kernels")
 
 
 def _usable(backend: str, name: str, ok: bool, cause: str, what: str) -> str:
