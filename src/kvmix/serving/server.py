@@ -513,10 +513,15 @@ def _read(service: Service, body: bytes, chat: bool) -> tuple[Ask, list[list[int
 
 
 async def _streamed(run: Run) -> AsyncIterator[str]:
-    """A run's chunks; a refusal while it runs is its last chunk (then [DONE])."""
+    """A run's chunks; a refusal while it runs is its last chunk (then [DONE]); a client that
+    closes the stream (the response is cancelled) is counted as gone."""
     try:
         async for chunk in run.stream():
             yield chunk
+    except (asyncio.CancelledError, GeneratorExit):  # cancelled in a read or at a chunk
+        run.service.metrics.failure("disconnected")
+        LOG.info("%s (x-request-id %s): the client closed the stream", run.id, run.client_id)
+        raise
     except Refused as refusal:
         run.service.metrics.failure(refusal.cause)
         LOG.info("%s (x-request-id %s): %s", run.id, run.client_id, refusal.message)
