@@ -609,13 +609,17 @@ def test_a_dead_loop_stops_the_server_with_exit_code_1(model, tokenizer):
     """The loop dies under a request: that request fails (a fault or a refusal, never counted
     as draining) and the server stops with exit code 1."""
     with serving(model, tokenizer) as (manager, server):
-        def broken(*args):
-            raise RuntimeError("the loop breaks")
-
         deadline = time.monotonic() + TIMEOUT
         while manager.batch_processor is None:  # the loop thread builds it once started
             assert time.monotonic() < deadline, "the loop never built its batch processor"
             time.sleep(0.01)
+        working = manager.batch_processor.prepare_next_batch
+
+        def broken():  # once the request is queued: broken before, the server could stop first
+            if not manager.input_queue.qsize():
+                return working()
+            raise RuntimeError("the loop breaks")
+
         manager.batch_processor.prepare_next_batch = broken
         with httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
             answer = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 4})
