@@ -1,0 +1,49 @@
+"""vLLM's offline engine (``LLM.generate``) at a KV budget, with and without kvmix's plugin:
+24 random 512-token prompts, 96 greedy tokens each, timed as prefill alone (one token) and
+whole. In the vLLM environment:
+
+    .venv-vllm/bin/python scripts/vllm_offline.py MODEL_DIR kivi2   # or auto, fp8
+
+MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
+``MP=1`` runs the engine core in a process of its own, as vLLM's server does."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("MP", "0"))
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB: it would override the budget
+
+BUDGET = 90 << 20  # bytes of KV cache
+PROMPTS, PROMPT, TOKENS = 24, 512, 96
+
+
+def main(model: str, setting: str) -> None:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    cache = {"kv_cache_dtype": setting} if setting in ("auto", "fp8") else {
+        "additional_config": {"kvmix": {"method": setting}}}
+    llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=PROMPT + TOKENS + 1, kv_cache_memory_bytes=BUDGET, seed=0, **cache)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}
+               for _ in range(PROMPTS)]
+
+    def seconds(tokens: int) -> float:
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
+        return time.perf_counter() - start
+
+    seconds(1)  # warm-up
+    prefill, whole = seconds(1), seconds(TOKENS)
+    print(f"{setting}: prefill alone {prefill:.1f} s, {TOKENS} tokens {whole:.1f} s (decode "
+          f"{whole - prefill:.1f} s), {PROMPTS * TOKENS / whole:.1f} output tok/s", flush=True)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])
