@@ -87,7 +87,8 @@ def load_config(name: str = DEFAULT_MODEL) -> tuple[Any, torch.dtype | None]:
     from transformers import AutoConfig
 
     folder, extra = _readable(name)
-    return AutoConfig.from_pretrained(folder, **extra), checkpoint_dtype(folder, **extra)
+    config = AutoConfig.from_pretrained(folder, **extra)  # read once: a GGUF header costs seconds
+    return config, declared_dtype(config)
 
 
 def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
@@ -175,7 +176,12 @@ def checkpoint_dtype(folder: str, **extra) -> torch.dtype | None:
     """The dtype the checkpoint's config declares, or None."""
     from transformers import AutoConfig
 
-    declared = getattr(AutoConfig.from_pretrained(folder, **extra), "dtype", None)
+    return declared_dtype(AutoConfig.from_pretrained(folder, **extra))
+
+
+def declared_dtype(config: Any) -> torch.dtype | None:
+    """The dtype ``config`` declares for its checkpoint, or None."""
+    declared = getattr(config, "dtype", None)
     if isinstance(declared, str):
         declared = getattr(torch, declared, None)
     return declared if isinstance(declared, torch.dtype) else None
