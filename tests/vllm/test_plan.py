@@ -276,10 +276,10 @@ def test_kernels_follow_the_device_and_a_choice_they_cannot_honour_is_refused(mo
     assert layer.kernels("torch", method, D, torch.float32, cuda) == "torch"
     with pytest.raises(Refused, match="kernels='cpu' cannot be honoured: the cache is on cuda"):
         layer.kernels("cpu", method, D, torch.float32, cuda)
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # Triton on CPU tensors only interpreted
-    with pytest.raises(Refused, match="Triton runs on CUDA tensors"):
-        layer.kernels("triton", method, D, torch.float32, cpu)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with monkeypatch.context() as patched:  # Triton on CPU tensors only interpreted
+        patched.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(Refused, match="Triton runs on CUDA tensors"):
+            layer.kernels("triton", method, D, torch.float32, cpu)
     monkeypatch.setattr(layer.gpu, "available", lambda: (False, "Triton is not installed"))
     assert layer.kernels("auto", method, D, torch.float32, cuda) == "torch"
     with pytest.raises(Refused, match="Triton is not installed"):
