@@ -216,7 +216,7 @@ def test_float16_staging_keeps_what_float16_holds():
         run.k, run.v = ([x.half().float() for x in xs] for xs in (run.k, run.v))
         runs.append(run.run())
     half, exact = runs
-    assert half.cache.staged_keys.dtype == torch.float16
+    assert half.cache.staged.dtype == torch.float16
     assert all(torch.equal(a, b) for a, b in zip(half.outputs, exact.outputs, strict=True))
     assert same(half.cache.pages, exact.cache.pages)
 

@@ -42,10 +42,9 @@ class LayerCache:
         self.method, self.layer, self.dtype = method, layer, dtype
         self.layout = layout(method, spec, layer, dtype)
         self.per_block = block_size // method.group
-        shape = (slots, spec.n_kv_heads, method.group, spec.head_dim)
-        # [slots, H, G, D]: each running sequence's open group
-        self.staged_keys = torch.zeros(shape, dtype=settings.staging, device=device)
-        self.staged_values = torch.zeros(shape, dtype=settings.staging, device=device)
+        shape = (2, slots, spec.n_kv_heads, method.group, spec.head_dim)
+        # [2 (keys, values), slots, H, G, D]: each running sequence's open group
+        self.staged = torch.zeros(shape, dtype=settings.staging, device=device)
         probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
         self.sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
                                                                device=device)
@@ -69,67 +68,64 @@ class LayerCache:
 
     def staging_bytes(self) -> int:
         """What the staging holds: each slot's open group (keys, values) and query sums."""
-        held = [self.staged_keys, self.staged_values] + ([self.sums] if self.sums is not None
-                                                         else [])
+        held = [self.staged] + ([self.sums] if self.sums is not None else [])
         return sum(t.numel() * t.element_size() for t in held)
 
     # -- a step --------------------------------------------------------------------------------
 
     def step(self, plan: StepPlan, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              scale: float, output: torch.Tensor) -> None:
-        """query [N, Hq, D], key, value [N, H, D] of the step's tokens -> output [N, Hq, D]."""
-        query = self._heads_first(query, self.method.transform_queries)  # [1, Hq, N, D]
-        key = self._staged(self._heads_first(key, self.method.transform_keys))  # [1, H, N, D]
-        value = self._staged(value.transpose(0, 1).unsqueeze(0))
+        """query [N, Hq, D], key, value [N, H, D] of the step's tokens -> output [N, Hq, D].
+
+        Every new key and value is taken as the staging holds it (in its dtype), whether it is
+        staged, sealed or attended in this step: what a token is does not depend on how vLLM
+        schedules it."""
+        query = self._transformed(query, self.method.transform_queries)  # [N, Hq, D]
+        key = self._transformed(key, self.method.transform_keys)
+        kv = torch.stack([key, value], 1).to(self.staged.dtype)  # [N, 2, H, D]
         sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
         if plan.sealed:
-            self._seal(plan, key, value, sums)
+            self._seal(plan, kv, sums)
         if plan.decode_tokens.numel():
-            self._decode(plan, query, key, value, scale, output)
+            self._decode(plan, query, kv, scale, output)
         for chunk in plan.chunks:
-            self._chunk(chunk, query, key, value, scale, output)
-        self._stage(plan, key, value)
+            self._chunk(chunk, query, kv, scale, output)
+        self._stage(plan, kv)
 
-    def _heads_first(self, x: torch.Tensor, transform) -> torch.Tensor:
-        return transform(x.transpose(0, 1).unsqueeze(0), self.layer)
-
-    def _staged(self, x: torch.Tensor) -> torch.Tensor:
-        """Every new key and value as the staging holds it (rounded to its dtype), whether it
-        is staged, sealed or attended in this step: what a token is does not depend on how
-        vLLM schedules it."""
-        dtype = self.staged_keys.dtype
-        return x if dtype == x.dtype else x.to(dtype).to(x.dtype)
+    def _transformed(self, x: torch.Tensor, transform) -> torch.Tensor:
+        """x [N, h, D] through one of the method's transforms (they take [1, h, N, D])."""
+        return transform(_heads_first(x), self.layer)[0].transpose(0, 1)
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _decode(self, plan: StepPlan, query, key, value, scale: float, output) -> None:
+    def _decode(self, plan: StepPlan, query, kv, scale: float, output) -> None:
         """Every one-token row in one call of the fused kernels (or, without them, row by
         row)."""
         tokens = plan.decode_tokens
-        context = [self._context(plan, x, staged) for x, staged in
-                   ((key, self.staged_keys), (value, self.staged_values))]
+        context = self._context(plan, kv)
         if self.kernels == "torch":
             for row, token in enumerate(tokens.tolist()):
                 self._reference(plan, row, token, query, context, scale, output)
             return
         pool = self._pool_view(plan)
-        rows = query[0, :, tokens].transpose(0, 1).float().contiguous()  # [Rd, Hq, D]
+        rows = query[tokens].float().contiguous()  # [Rd, Hq, D]
         if self.kernels == "triton":
             table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
             out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
                                    (*context, plan.spans))
         else:
+            if context.dtype not in cpu.SEGMENT_DTYPES:
+                context = context.float()
             out = torch.ops.kvmix.decode_batch(
                 rows, scale, *context, plan.spans, self.method.group, plan.table, plan.held,
                 plan.counts, *batch.arguments(pool, "cpu", cpu.built_arguments))
         output[tokens] = out.to(output.dtype)
 
-    def _context(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-        """Each decode row's staged tokens, then its new one: [Rd, H, G, D] float32."""
-        slots = plan.decode_slots.clamp(min=0)
-        context = staged.index_select(0, slots).float()
-        rows = torch.arange(len(slots), device=slots.device)
-        context[rows, :, plan.decode_staged] = new[0, :, plan.decode_tokens].transpose(0, 1).float()
+    def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
+        """Each decode row's staged tokens, then its new one: [2, Rd, H, G, D] (keys, values)
+        in the staging dtype."""
+        context = self.staged.index_select(1, plan.decode_slots)
+        context[:, plan.decode_rows, :, plan.decode_staged] = kv[plan.decode_tokens]
         return context
 
     def _reference(self, plan: StepPlan, row: int, token: int, query, context, scale,
@@ -137,23 +133,22 @@ class LayerCache:
         """One decode row through the reference path."""
         pages = plan.table[row, : int(plan.counts[row])].tolist()
         used = int(plan.spans[row, 3])
-        keys, values = (c[row : row + 1, :, :used] for c in context)
-        history = self._history(pages, plan.decode_first[row], keys.dtype)
+        keys, values = context[:, row : row + 1, :, :used].float()
+        history = self._history(pages, plan.decode_first[row], torch.float32)
         keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, (keys, values),
                                                                    strict=True))
-        out = sdpa(query[:, :, token : token + 1].float(), keys, values, scale)
+        out = sdpa(_heads_first(query[token : token + 1]).float(), keys, values, scale)
         output[token] = out[0, :, 0].to(output.dtype)
 
-    def _chunk(self, chunk: Chunk, query, key, value, scale: float, output) -> None:
+    def _chunk(self, chunk: Chunk, query, kv, scale: float, output) -> None:
         """A row of several new tokens: each sees the groups before its own packed (decoded
         pages) and its own group's tokens up to it as floats (staged, then the chunk's)."""
         G, n = self.method.group, chunk.stop - chunk.start
         new = slice(chunk.start, chunk.stop)
-        keys, values = (x[:, :, new].float() for x in (key, value))
+        keys, values = (_heads_first(kv[new, i]).float() for i in (0, 1))  # [1, H, n, D]
         staged = chunk.before % G
         if staged:
-            held = [s[chunk.slot : chunk.slot + 1, :, :staged].float()
-                    for s in (self.staged_keys, self.staged_values)]
+            held = self.staged[:, chunk.slot : chunk.slot + 1, :, :staged].float()
             keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
         history = self._history(chunk.pages, chunk.first, torch.float32)
         keys, values = torch.cat([history[0], keys], -2), torch.cat([history[1], values], -2)
@@ -164,17 +159,17 @@ class LayerCache:
         floats = torch.arange(chunk.before - staged, chunk.before + n, device=device)
         exact = (floats >= own * G) & (floats <= position)  # [n, o + n]
         mask = torch.cat([packed, exact], 1)
-        out = sdpa(query[:, :, new].float(), keys, values, scale, mask)  # [1, Hq, n, D]
+        out = sdpa(_heads_first(query[new]).float(), keys, values, scale, mask)  # [1, Hq, n, D]
         output[new] = out[0].transpose(0, 1).to(output.dtype)
 
     def _history(self, pages: list[int], first: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's pages decoded: keys, values [1, H, n·G, D]."""
         if not pages:
-            empty = self.staged_keys.new_zeros(1, self.staged_keys.shape[1], 0,
-                                               self.staged_keys.shape[-1], dtype=dtype)
+            _, _, H, _, D = self.staged.shape
+            empty = self.staged.new_zeros(1, H, 0, D, dtype=dtype)
             return empty, empty
-        index = torch.tensor(pages, device=self.staged_keys.device)
+        index = torch.tensor(pages, device=self.staged.device)
         blocks = map_tensors(self.pages.blocks, lambda t: t.index_select(0, index).unsqueeze(0))
         keys, values = self.method.decode(blocks, self.layer, self._selection([first]), dtype)
         return tuple(x.transpose(1, 2).flatten(2, 3) for x in (keys, values))
@@ -183,7 +178,7 @@ class LayerCache:
         """The selection stored in ``pages`` (batch dimension: one per page), or None."""
         if self.pages.selection is None:
             return None
-        index = torch.as_tensor(pages, device=self.staged_keys.device)
+        index = torch.as_tensor(pages, device=self.staged.device)
         return map_tensors(self.pages.selection, lambda t: t.index_select(0, index))
 
     def _pool_view(self, plan: StepPlan) -> batch.PoolView:
@@ -202,10 +197,9 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
-    def _seal(self, plan: StepPlan, key, value, sums: torch.Tensor | None) -> None:
+    def _seal(self, plan: StepPlan, kv, sums: torch.Tensor | None) -> None:
         """Encode every group completed this step into its page, in one call."""
-        groups = [self._groups(plan, new, staged) for new, staged in
-                  ((key, self.staged_keys), (value, self.staged_values))]
+        groups = self._groups(plan, kv)
         selection = None
         if self.pages.selection is not None:
             self._select(plan, sums, *groups)
@@ -214,14 +208,14 @@ class LayerCache:
         _write(self.pages.blocks, Blocks(*self.method.encode(*groups, self.layer, selection)),
                plan.seal_pages)
 
-    def _groups(self, plan: StepPlan, new: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-        """The sealed groups' tokens, staged and new: [E, H, G, D] in the model's dtype."""
-        E, (_, H, G, D) = plan.sealed, staged.shape
-        groups = new.new_zeros(E, H, G, D, dtype=self.dtype)
-        groups[plan.carry_entries, :, plan.carry_offsets] = \
-            staged[plan.carry_slots, :, plan.carry_offsets].to(self.dtype)
-        groups[plan.seal_entries, :, plan.seal_offsets] = \
-            new[0, :, plan.seal_tokens].transpose(0, 1).to(self.dtype)
+    def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
+        """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
+        model's dtype."""
+        E, (_, _, H, G, D) = plan.sealed, self.staged.shape
+        groups = kv.new_zeros(2, E, H, G, D, dtype=self.dtype)
+        groups[:, plan.carry_entries, :, plan.carry_offsets] = \
+            self.staged[:, plan.carry_slots, :, plan.carry_offsets].to(self.dtype)
+        groups[:, plan.seal_entries, :, plan.seal_offsets] = kv[plan.seal_tokens].to(self.dtype)
         return groups
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
@@ -242,7 +236,7 @@ class LayerCache:
         where a group opens: a slot sealed now may open another row's group)."""
         if self.sums is None:
             return None
-        new = self.method.query_sums(query[0, :, plan.sum_tokens].transpose(0, 1).unsqueeze(2))
+        new = self.method.query_sums(query[plan.sum_tokens].unsqueeze(2))
         sealed = self.sums.new_zeros(plan.sealed, *self.sums.shape[1:])
         sealed.index_add_(0, plan.sum_rows[plan.sum_sealed], new[plan.sum_sealed])
         carried = plan.carry_sums >= 0
@@ -252,11 +246,14 @@ class LayerCache:
         self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])
         return sealed
 
-    def _stage(self, plan: StepPlan, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _stage(self, plan: StepPlan, kv: torch.Tensor) -> None:
         """The new tokens of groups still open into their slots."""
-        for new, staged in ((key, self.staged_keys), (value, self.staged_values)):
-            staged[plan.staged_slots, :, plan.staged_offsets] = \
-                new[0, :, plan.staged_tokens].transpose(0, 1).to(staged.dtype)
+        self.staged[:, plan.staged_slots, :, plan.staged_offsets] = kv[plan.staged_tokens]
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[n, h, D] -> [1, h, n, D]"""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
 def staging_nbytes(settings: Settings, slots: int) -> int:

@@ -108,8 +108,9 @@ class StepPlan:
     staged tokens ``carry_slots`` / ``carry_offsets`` (into ``carry_entries``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
     [E] (True where the group is its row's first: it selects).
-    Decode rows (one new token each: the batched kernel): ``decode_tokens``, ``decode_slots``
-    (-1: nothing staged), ``decode_staged`` [Rd] tokens staged before, ``table``, ``held``
+    Decode rows (one new token each: the batched kernel): ``decode_tokens``, ``decode_rows``
+    (0 .. Rd - 1), ``decode_slots`` (0 where nothing is staged: the kernel reads none of it),
+    ``decode_staged`` [Rd] tokens staged before, ``table``, ``held``
     [Rd, M] and ``counts`` [Rd] the pages of their history, ``spans`` [Rd, 4].
     Longer rows (prefill chunks): ``chunks``, on the host.
     """
@@ -133,6 +134,7 @@ class StepPlan:
     sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
     carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
     decode_tokens: torch.Tensor
+    decode_rows: torch.Tensor
     decode_slots: torch.Tensor
     decode_staged: torch.Tensor
     decode_first: tuple[int, ...]  # each decode row's first page (its selection), on the host
@@ -237,7 +239,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         sum_sealed=plan(sealing[first_group], torch.bool),
         carry_sums=plan(carry_sums[entry_first]),
         decode_tokens=plan(starts[:-1][decode]),
-        decode_slots=plan(staged_slots[decode]),
+        decode_rows=plan(np.arange(int(decode.sum()))),
+        decode_slots=plan(np.maximum(staged_slots[decode], 0)),
         decode_staged=plan(staged[decode]),
         decode_first=tuple(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))
                            .tolist()),
