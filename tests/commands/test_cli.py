@@ -20,6 +20,8 @@ def test_methods_lists_every_method_and_preset(capsys):
     (["compare", "--methods", "kivi:key_bits=8"], "key_bits=8 is not supported"),
     (["compare", "--backend", "gpu"], "backend='gpu' is invalid; valid: auto, torch, cpu"),
     (["compare", "--engine", "sglang"], "engine='sglang' is invalid; valid: kvmix, vllm"),
+    (["compare", "--engine", "vllm", "--vllm-prefill", "float"],
+     "vllm_prefill='float' is invalid; valid: exact, decode"),
     (["compare", "--engine", "vllm", "--vllm-python", "/no/python"],
      "vllm_python='/no/python' does not exist: build the vLLM environment with `make vllm`"),
     (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",

@@ -120,11 +120,16 @@ def test_vllm_sizes_its_cache_by_the_bit_formula(tiny_folder, method, block):
 @pytest.mark.parametrize("options, named", [
     ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
     ({"block_size": 16}, "block.size 16"),
+    ({"enable_prefix_caching": True, "method": {"method": "kivi2", "prefill": "exact"}},
+     "prefix caching and prefill='exact'"),
+    ({"method": {"method": "kivi2", "prefill": "float"}}, "prefill='float' is invalid"),
 ])
 def test_what_kvmix_cannot_honour_stops_the_engine_by_name(tiny_folder, options, named):
     from kvmix.vllm.settings import Refused
 
-    with pytest.raises(Refused, match=named), engine(tiny_folder, "kivi2", **options):
+    options = dict(options)
+    method = options.pop("method", "kivi2")
+    with pytest.raises(Refused, match=named), engine(tiny_folder, method, **options):
         pass
 
 

@@ -33,8 +33,8 @@ METHODS = ["full", "kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "kxvy:rotate=key
            "pnmix1", "kitty", "chanmix", "wush", "ggml-k8v4"]
 
 
-def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str = "auto"
-                 ) -> Settings:
+def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str = "auto",
+                 prefill: str = "decode") -> Settings:
     per_token = name.startswith("ggml")
     text = name if per_token else method_string(name, sink=0, residual=G, group=G)
     method = laid_out(parse_method(text), text)
@@ -42,7 +42,7 @@ def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str =
     fold = method.value_fold(model_spec(config))
     spec = model_spec(config, PAIRS, None, fold[1] if fold else None)
     method.bind(spec)
-    return Settings(method, staging, text, spec, torch.float32, kernels)
+    return Settings(method, staging, text, spec, torch.float32, kernels, prefill)
 
 
 class Run:
@@ -205,6 +205,29 @@ def test_triton_splits_of_a_rows_pages_merge_to_the_reference_path(monkeypatch):
     reference = Run(settings_for("kivi2", kernels="torch")).run()
     for a, b in zip(fused.outputs, reference.outputs, strict=True):
         assert_near(a, b, op_tolerance(fused.method, gpu))
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kxvy:rotate=keys"])
+def test_an_exact_prefill_attends_a_prompts_first_chunk_in_float(name):
+    """prefill="exact": each prompt's first chunk is a float prefill (causal attention over its
+    own tokens, in the method's key frame), every later token attends as it does by default,
+    and the pages hold the same codes."""
+    exact, decodes = (Run(settings_for(name, prefill=p)).run() for p in ("exact", "decode"))
+    method, differs = exact.method, False
+    for s in range(SEQUENCES):
+        n = next(step[s] for step in SCHEDULE if step[s])  # the first chunk's tokens
+        keys = method.transform_keys(exact.k[s][:n].transpose(0, 1).unsqueeze(0), LAYER)
+        query = method.transform_queries(exact.q[s][:n].transpose(0, 1).unsqueeze(0), LAYER)
+        keys, values = (x.repeat_interleave(HQ // H, 1) for x in
+                        (keys, exact.v[s][:n].transpose(0, 1).unsqueeze(0)))
+        scores = (query @ keys.transpose(-1, -2) * D**-0.5).masked_fill(
+            ~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        prefill = (torch.softmax(scores, -1) @ values)[0].transpose(0, 1)  # [n, Hq, D]
+        assert_near(exact.outputs[s][:n], prefill, 1e-5)
+        assert torch.equal(exact.outputs[s][n:], decodes.outputs[s][n:])
+        differs |= not torch.equal(exact.outputs[s][:n], decodes.outputs[s][:n])
+    assert differs  # a first chunk past one group: its later tokens saw packed groups before
+    assert same(exact.cache.pages, decodes.cache.pages)
 
 
 def test_float16_staging_keeps_what_float16_holds():

@@ -27,6 +27,7 @@ COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
            "effective_bits": "eff. bits", "static": "static", "ppl": "ppl", "delta_ppl": "Δppl",
            "token_kl": "token KL", "seconds": "time s"}
 ENGINES = ("kvmix", "vllm")
+VLLM_PREFILLS = ("exact", "decode")  # the plugin's PREFILLS (kvmix.vllm: imported by vLLM only)
 VLLM_COLUMNS = {"method": "method", "ppl": "ppl (kvmix)", "delta_ppl": "Δppl (kvmix)",
                 "vllm_ppl": "ppl (vLLM)", "vllm_delta_ppl": "Δppl (vLLM)",
                 "delta_ratio": "Δ vLLM/kvmix", "vllm_seconds": "vLLM s"}
@@ -40,6 +41,7 @@ class CompareConfig(GridConfig, JobConfig):
     chunk: int = 1
     engine: str = "kvmix"  # vllm: also through vLLM, each method with vLLM's layout
     vllm_python: str = through_vllm.DEFAULT_PYTHON
+    vllm_prefill: str = "exact"  # the plugin's prefill (kvmix.vllm.settings.PREFILLS)
 
 
 def add_parser(commands) -> None:
@@ -51,6 +53,9 @@ def add_parser(commands) -> None:
                         "through vLLM (kvmix's plugin; sink=0, residual=group on both paths)")
     parser.add_argument("--vllm-python", default=through_vllm.DEFAULT_PYTHON,
                         help="the vLLM environment's interpreter (make vllm builds it)")
+    parser.add_argument("--vllm-prefill", default="exact",
+                        help="the plugin's prefill: exact (the context a float prefill, as "
+                        "kvmix scores it) or decode (every prompt token attends as a decode)")
     parser.set_defaults(run=lambda args: run_compare(config_from(CompareConfig, args)))
 
 
@@ -64,6 +69,9 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
         parse_method(method)  # bad method strings fail before loading
     if config.engine not in ENGINES:
         raise ValueError(f"engine={config.engine!r} is invalid; valid: {', '.join(ENGINES)}")
+    if config.vllm_prefill not in VLLM_PREFILLS:
+        raise ValueError(f"vllm_prefill={config.vllm_prefill!r} is invalid; valid: "
+                         f"{', '.join(VLLM_PREFILLS)}")
     if config.engine == "vllm":
         return _through_vllm(config, loaded)
     grid = Grid("compare", config, compare_cell, shared=config)
@@ -104,7 +112,8 @@ def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dic
     own = {m: score(loaded.model, ids, m, config.context, config.chunk, backend=config.backend)
            for m in methods}
     console.print(f"scoring {len(methods)} methods through vLLM ({config.vllm_python})")
-    engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods)
+    engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods,
+                                config.vllm_prefill)
     rows = [_vllm_row(m, own[m], own["full"], engine[m], engine["full"]) for m in methods]
     finish("compare", config, loaded, rows, f"{config.data} · context {config.context} + "
            f"{config.eval_tokens} tokens · kvmix and vLLM", VLLM_COLUMNS)

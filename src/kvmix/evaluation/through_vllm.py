@@ -55,10 +55,11 @@ def float_folder(loaded: LoadedModel) -> Path:
 
 
 def score(python: str, loaded: LoadedModel, ids: torch.Tensor, context: int,
-          methods: list[str]) -> dict[str, Any]:
-    """{method: {"ppl", "nll", "seconds", "block_size"}} through vLLM; ids: [1, n]."""
+          methods: list[str], prefill: str = "exact") -> dict[str, Any]:
+    """{method: {"ppl", "nll", "seconds", "block_size"}} through vLLM; ids: [1, n]; prefill:
+    the plugin's (``exact``: the context a float prefill, as kvmix's own scoring has it)."""
     request = {"model": str(float_folder(loaded)), "ids": ids[0].tolist(), "context": context,
-               "methods": methods}
+               "methods": methods, "prefill": prefill}
     with tempfile.TemporaryDirectory() as temp:
         asked, answer = Path(temp) / "request.json", Path(temp) / "scores.json"
         asked.write_text(json.dumps(request))

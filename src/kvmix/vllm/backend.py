@@ -215,6 +215,9 @@ def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
          "field)"),
         (config.parallel_config.decode_context_parallel_size > 1,
          "decode context parallelism"),
+        (settings.prefill == "exact" and config.cache_config.enable_prefix_caching,
+         "prefix caching and prefill='exact' (a cached prefix would start a prompt's first "
+         "computed chunk past its first token, attending as decodes: disable prefix caching)"),
         (config.cache_config.block_size % settings.group != 0,
          f"--block-size {config.cache_config.block_size}, not a multiple of "
          f"{method.name}'s group={settings.group}"),

@@ -10,7 +10,8 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    its Triton kernels: two launches) over vLLM's block table, their float context the staged
    tokens and the new one; longer rows (prefill chunks) through the reference path: each token
    over the packed groups before its own (decoded pages) and its own group's floats, as a
-   decode at its position would see them;
+   decode at its position would see them (with ``prefill="exact"``, a prompt's first chunk
+   over its own tokens in float instead, as a float prefill);
 3. stage — the new tokens of groups still open written to their staging slots.
 """
 
@@ -51,6 +52,7 @@ class LayerCache:
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
         self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
+        self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
 
@@ -142,10 +144,22 @@ class LayerCache:
 
     def _chunk(self, chunk: Chunk, query, kv, scale: float, output) -> None:
         """A row of several new tokens: each sees the groups before its own packed (decoded
-        pages) and its own group's tokens up to it as floats (staged, then the chunk's)."""
-        G, n = self.method.group, chunk.stop - chunk.start
+        pages) and its own group's tokens up to it as floats (staged, then the chunk's). With
+        ``prefill="exact"`` a prompt's first chunk sees itself in float, as a float prefill
+        does."""
         new = slice(chunk.start, chunk.stop)
         keys, values = (_heads_first(kv[new, i]).float() for i in (0, 1))  # [1, H, n, D]
+        query = _heads_first(query[new]).float()  # [1, Hq, n, D]
+        if self.exact and chunk.before == 0:
+            out = sdpa(query, keys, values, scale)  # causal
+        else:
+            out = self._as_decodes(chunk, query, keys, values, scale)
+        output[new] = out[0].transpose(0, 1).to(output.dtype)
+
+    def _as_decodes(self, chunk: Chunk, query, keys, values, scale: float) -> torch.Tensor:
+        """query [1, Hq, n, D] of a chunk over its row's history, as decodes at the chunk's
+        positions see it, keys, values [1, H, n, D] its own -> [1, Hq, n, D]."""
+        G, n = self.method.group, chunk.stop - chunk.start
         staged = chunk.before % G
         if staged:
             held = self.staged[:, chunk.slot : chunk.slot + 1, :, :staged].float()
@@ -158,9 +172,7 @@ class LayerCache:
         packed = torch.arange(len(chunk.pages) * G, device=device) // G < own  # [n, P·G]
         floats = torch.arange(chunk.before - staged, chunk.before + n, device=device)
         exact = (floats >= own * G) & (floats <= position)  # [n, o + n]
-        mask = torch.cat([packed, exact], 1)
-        out = sdpa(_heads_first(query[new]).float(), keys, values, scale, mask)  # [1, Hq, n, D]
-        output[new] = out[0].transpose(0, 1).to(output.dtype)
+        return sdpa(query, keys, values, scale, torch.cat([packed, exact], 1))
 
     def _history(self, pages: list[int], first: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:

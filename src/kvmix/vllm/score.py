@@ -1,10 +1,13 @@
 """Perplexity through vLLM: ``python -m kvmix.vllm.score REQUEST.json OUT.json`` in the vLLM
 environment, for ``kvmix compare --engine vllm``.
 
-The request names a model folder, the token ids [n], the context, and the methods (``full``:
-vLLM as shipped). Each method runs in an engine of its own (one after the other, in this
-process) with chunked prefill over the packed cache; vLLM's ``prompt_logprobs`` give the
+The request names a model folder, the token ids [n], the context, the methods (``full``:
+vLLM as shipped) and the plugin's prefill (``exact`` or ``decode``, see
+``kvmix.vllm.settings``). Each method runs in an engine of its own (one after the other, in
+this process) with chunked prefill over the packed cache; vLLM's ``prompt_logprobs`` give the
 log-probability of every token after ``context + 1``, the tokens kvmix's own scoring scores.
+With ``exact`` a step prefills ``context`` tokens: the context is a float prefill, as in
+kvmix's own scoring, and every later token attends as a decode.
 Writes {method: {"nll": [...], "ppl": ..., "seconds": ..., "block_size": ...}}.
 """
 
@@ -18,7 +21,8 @@ import sys
 import time
 from typing import Any
 
-CHUNK = 256  # tokens a step prefills: a long text goes through the packed cache in chunks
+CHUNK = 256  # tokens a step prefills with prefill=decode: a long text goes through the
+# packed cache in chunks
 SMALLEST_BLOCK = 32  # vLLM's CPU attention takes blocks of a multiple of 32 tokens
 
 
@@ -43,13 +47,16 @@ def cache_bytes(model: str, tokens: int) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * tokens + 2**24
 
 
-def score(model: str, ids: list[int], context: int, method: str) -> dict[str, Any]:
+def score(model: str, ids: list[int], context: int, method: str, prefill: str
+          ) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
-    extra = {} if method == "full" else {"additional_config": {"kvmix": method}}
+    extra = {} if method == "full" else {
+        "additional_config": {"kvmix": {"method": method, "prefill": prefill}}}
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=len(ids) + 1,
-              skip_tokenizer_init=True,
-              max_num_batched_tokens=CHUNK, block_size=block_size(method),
+              skip_tokenizer_init=True, max_num_seqs=1, enable_prefix_caching=False,
+              max_num_batched_tokens=context if prefill == "exact" else CHUNK,
+              block_size=block_size(method),
               kv_cache_memory_bytes=cache_bytes(model, len(ids) + block_size(method)), seed=0,
               **extra)
     try:
@@ -82,8 +89,8 @@ def main(argv: list[str]) -> None:
     request_path, out_path = argv
     with open(request_path) as f:
         request = json.load(f)
-    results = {m: score(request["model"], request["ids"], request["context"], m)
-               for m in request["methods"]}
+    results = {m: score(request["model"], request["ids"], request["context"], m,
+                        request.get("prefill", "decode")) for m in request["methods"]}
     with open(out_path, "w") as f:
         json.dump(results, f)
 

@@ -28,7 +28,11 @@ KEY = "kvmix"  # the key of --additional-config
 STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
            "auto": None}  # auto: the model's dtype
 KERNELS = ("auto", "cpu", "triton", "torch")  # auto: the CPU op on CPU, Triton on CUDA
-FIELDS = ("method", "staging", "kernels")
+# decode: every prompt token attends as a decode at its position would (outputs independent of
+# chunking and of the prefix cache); exact: a prompt's first chunk attends to itself in float,
+# as a float prefill does (kvmix's own cache, KIVI), later chunks as decodes
+PREFILLS = ("decode", "exact")
+FIELDS = ("method", "staging", "kernels", "prefill")
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
 
@@ -49,6 +53,7 @@ class Settings:
     spec: ModelSpec
     dtype: torch.dtype  # the model's
     kernels: str = "auto"
+    prefill: str = "decode"  # PREFILLS
 
     @property
     def group(self) -> int:
@@ -57,7 +62,7 @@ class Settings:
 
 def requested(vllm_config: Any) -> dict[str, Any] | None:
     """The kvmix entry of vLLM's additional config ({"method": ..., "staging": ...,
-    "kernels": ...}), or None."""
+    "kernels": ..., "prefill": ...}), or None."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(KEY) if isinstance(extra, dict) else None
     if raw is None:
@@ -73,6 +78,8 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
         raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
     if raw.get("kernels", "auto") not in KERNELS:
         raise Refused(f"kernels={raw['kernels']!r} is invalid; valid: {', '.join(KERNELS)}")
+    if raw.get("prefill", "decode") not in PREFILLS:
+        raise Refused(f"prefill={raw['prefill']!r} is invalid; valid: {', '.join(PREFILLS)}")
     return raw
 
 
@@ -97,7 +104,8 @@ def resolve(vllm_config: Any) -> Settings | None:
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
-    return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"))
+    return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"),
+                    raw.get("prefill", "decode"))
 
 
 def laid_out(method: Method, text: str) -> Method:
