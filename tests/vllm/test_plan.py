@@ -230,6 +230,23 @@ def test_an_exact_prefill_attends_a_prompts_first_chunk_in_float(name):
     assert same(exact.cache.pages, decodes.cache.pages)
 
 
+def test_an_exact_prefill_selects_from_its_whole_first_chunk():
+    """PN-Mix with prefill="exact": a first chunk longer than a group selects from all of its
+    tokens (as kvmix's own cache selects at a prompt), and every page of the sequence holds
+    that selection; a first chunk within a group selects as by default."""
+    exact, decodes = (Run(settings_for("pnmix1", prefill=p)).run() for p in ("exact", "decode"))
+    method, G = exact.method, exact.method.group
+    for s in range(SEQUENCES):
+        n = next(step[s] for step in SCHEDULE if step[s])
+        keys = method.transform_keys(exact.k[s][:n].transpose(0, 1).unsqueeze(0), LAYER)
+        queries = method.transform_queries(exact.q[s][:n].transpose(0, 1).unsqueeze(0), LAYER)
+        prompt = method.select(queries, keys, LAYER, exact.v[s][:n].transpose(0, 1).unsqueeze(0))
+        expected = prompt if n > G else decodes.stored(s, 0)[1]
+        for g in range(len(exact.k[s]) // G):
+            assert same(exact.stored(s, g)[1], expected), f"sequence {s}, page {g}"
+    assert not same(exact.stored(0, 0)[1], decodes.stored(0, 0)[1])  # 11 tokens, not 8
+
+
 def test_float16_staging_keeps_what_float16_holds():
     """Staged tokens are rounded to the staging dtype and nothing else changes: on keys and
     values float16 holds exactly, float16 staging gives float32 staging's pages and outputs."""

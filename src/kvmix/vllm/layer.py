@@ -87,7 +87,7 @@ class LayerCache:
         kv = torch.stack([key, value], 1).to(self.staged.dtype)  # [N, 2, H, D]
         sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
         if plan.sealed:
-            self._seal(plan, kv, sums)
+            self._seal(plan, query, kv, sums)
         if plan.decode_tokens.numel():
             self._decode(plan, query, kv, scale, output)
         for chunk in plan.chunks:
@@ -209,12 +209,14 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
-    def _seal(self, plan: StepPlan, kv, sums: torch.Tensor | None) -> None:
+    def _seal(self, plan: StepPlan, query, kv, sums: torch.Tensor | None) -> None:
         """Encode every group completed this step into its page, in one call."""
         groups = self._groups(plan, kv)
         selection = None
         if self.pages.selection is not None:
             self._select(plan, sums, *groups)
+            if self.exact:
+                self._select_prefills(plan, query, kv)
             selection = self._selection(plan.seal_first)
             _write(self.pages.selection, selection, plan.seal_pages)  # each page self-describing
         _write(self.pages.blocks, Blocks(*self.method.encode(*groups, self.layer, selection)),
@@ -241,6 +243,20 @@ class LayerCache:
                                          keys[first], self.layer, values[first])
         _write(self.pages.selection, chosen, plan.seal_pages[first])
         self._selected += 1
+
+    def _select_prefills(self, plan: StepPlan, query, kv) -> None:
+        """With ``prefill="exact"``, a float prefill selects as kvmix's own cache does at a
+        prompt: from every token of a prompt's first chunk (one group or more), not only its
+        first group."""
+        for chunk in plan.chunks:
+            if chunk.before or chunk.stop - chunk.start < self.method.group:
+                continue
+            new = slice(chunk.start, chunk.stop)
+            keys, values = (_heads_first(kv[new, i]).to(self.dtype) for i in (0, 1))
+            chosen = self.method.select(_heads_first(query[new]), keys, self.layer, values)
+            _write(self.pages.selection, chosen,
+                   torch.tensor([chunk.first], device=self.staged.device))
+            self._selected += 1
 
     def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
         """Query sums of first groups: per sealed group [E, H, C], its slot's and its new
