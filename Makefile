@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml
 	# The fused CPU decode op, built once into ~/.cache/kvmix (a failure is reported by the
 	# tests; backend=auto then uses the reference path).
 	$(BIN)/python -c "from kvmix.runtime.kernels import cpu; print(cpu.available())"
+	# optimum-quanto compiles its unpacking extension (about a minute) on first use: here, once
+	# per environment, not inside the first test that quantizes with it.
+	$(BIN)/python -c "from optimum.quanto.library.extensions import get_extension as g; g('quanto_cpp').lib"
 	touch $(STAMP)
 
 run: $(STAMP)

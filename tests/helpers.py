@@ -3,6 +3,8 @@ a driver that feeds one layer the way the model and the kvmix attention function
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -58,7 +60,9 @@ def _calibrate(model) -> str:
     meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
             "head_dim": str(spec.head_dim), "block": str(spec.head_dim), "damping": "0.01",
             "data": "random", "tokens": "128"}
-    path = Path(tempfile.mkdtemp()) / "transforms.safetensors"
+    folder = tempfile.mkdtemp(prefix="kvmix-transforms-")
+    atexit.register(shutil.rmtree, folder, True)  # memoized for the session: removed at exit
+    path = Path(folder) / "transforms.safetensors"
     save_transforms(path, TransformSet(matrices["keys"], matrices["values"], meta))
     return str(path)
 
@@ -218,7 +222,7 @@ def step(cache, batch: int, seed: int, staged=None, device="cpu") -> torch.Tenso
 
 
 def compare_batched(name: str, backend: str, steps: int, device="cpu",
-                    lengths: tuple[int, ...] = (45, 9, 30), window: int | None = None) -> None:
+                    lengths: tuple[int, ...] = (46, 15, 31), window: int | None = None) -> None:
     """Rows of different lengths (left padding): each decode step's output from the backend's
     one batched call equals the reference path's, and both caches seal the same pages bit for
     bit (``window``: sliding-window layers, the window's edge inside the pages)."""

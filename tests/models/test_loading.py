@@ -54,3 +54,27 @@ def test_a_gguf_files_conversion_is_keyed_by_the_file_and_read_once_complete(tmp
     assert loading.converted(str(tmp_path), gguf.name) == target  # complete: reused as is
     os.utime(gguf, ns=(1, 1))  # the file changed: another conversion
     assert loading._conversion(str(tmp_path), gguf.name) != target
+
+
+def test_a_gguf_files_tokenizer_is_read_once_and_saved(tmp_path, monkeypatch):
+    """The default model's tokenizer from its GGUF file (seconds) is saved beside where its
+    conversion goes and read from there afterwards: the same tokens, specials and template."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setenv("KVMIX_CACHE", str(tmp_path))
+    folder, gguf = loading.smollm2_location()
+    direct = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
+    reads = []
+    read = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: reads.append(k.get("gguf_file")) or read(*a, **k))
+    first, again = loading.load_tokenizer(), loading.load_tokenizer()
+    assert reads == [gguf, None, None]  # the file once, then the saved folder
+    assert not (tmp_path / "models" / loading._conversion(folder, gguf).name).exists()
+    text = "héllo wörld 😀 — <|im_start|>user\nok<|im_end|>"
+    chat = [{"role": "user", "content": "hi"}]
+    for tokenizer in (first, again):
+        assert tokenizer(text).input_ids == direct(text).input_ids
+        assert (tokenizer.eos_token, len(tokenizer)) == (direct.eos_token, len(direct))
+        assert (tokenizer.apply_chat_template(chat, tokenize=False)
+                == direct.apply_chat_template(chat, tokenize=False))

@@ -6,6 +6,8 @@ run where the user has their datasets."""
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 
@@ -79,6 +81,7 @@ def _tasks(harness, config: EvalConfig, tokenizer=None):
     """lm-eval's task manager with kvmix's local tasks; the synthetic ones size their prompts
     with ``tokenizer`` (saved where they read it)."""
     folder = tempfile.mkdtemp(prefix="kvmix-tokenizer-")
+    atexit.register(shutil.rmtree, folder, True)  # read lazily while tasks build: kept till exit
     manager = harness.task_manager(folder, config.lengths)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)

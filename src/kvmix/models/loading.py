@@ -97,7 +97,24 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
     from transformers import AutoTokenizer
 
     folder, extra = _readable(name)
+    if extra:  # a GGUF file not converted yet: its tokenizer, saved once (its vocabulary is
+        folder, extra = str(_saved_tokenizer(folder, extra["gguf_file"])), {}  # seconds to read)
     return AutoTokenizer.from_pretrained(folder, **extra)
+
+
+def _saved_tokenizer(folder: str, gguf: str) -> Path:
+    """The tokenizer of the GGUF file ``folder/gguf`` as a folder beside its conversion's (same
+    key): a load reads it in a fraction of a second instead of the file's vocabulary."""
+    target = _conversion(folder, gguf)
+    target = target.with_name(f"{target.name}-tokenizer")
+    if not (target / DONE).is_file():
+        from transformers import AutoTokenizer
+
+        partial = _partial(target)
+        AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(partial)
+        (partial / DONE).write_text(str(Path(folder) / gguf))
+        _publish(partial, target)
+    return target
 
 
 def model_folder(name: str = DEFAULT_MODEL) -> str:
@@ -123,7 +140,7 @@ def converted(folder: str, gguf: str) -> Path:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf,
                                                      dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    partial = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    partial = _partial(target)
     save_float(model, partial)
     tokenizer.save_pretrained(partial)
     config = json.loads((partial / "config.json").read_text())
@@ -131,11 +148,22 @@ def converted(folder: str, gguf: str) -> Path:
     config["dtype"] = None if declared is None else str(declared).removeprefix("torch.")
     (partial / "config.json").write_text(json.dumps(config, indent=2))
     (partial / DONE).write_text(str(Path(folder) / gguf))
+    _publish(partial, target)
+    return target
+
+
+def _partial(target: Path) -> Path:
+    """Where this process writes ``target`` before publishing it."""
+    return target.with_name(f"{target.name}.{os.getpid()}.tmp")
+
+
+def _publish(partial: Path, target: Path) -> None:
+    """``partial`` renamed to ``target`` at once (readers see all of it or nothing); dropped
+    where another process published it meanwhile."""
     try:
         partial.rename(target)
-    except OSError:  # another process converted it meanwhile
+    except OSError:
         shutil.rmtree(partial, ignore_errors=True)
-    return target
 
 
 def _conversion(folder: str, gguf: str) -> Path:
