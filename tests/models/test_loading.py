@@ -63,13 +63,16 @@ def test_a_gguf_files_tokenizer_is_read_once_and_saved(tmp_path, monkeypatch):
 
     monkeypatch.setenv("KVMIX_CACHE", str(tmp_path))
     folder, gguf = loading.smollm2_location()
-    direct = AutoTokenizer.from_pretrained(folder, gguf_file=gguf)
-    reads = []
-    read = AutoTokenizer.from_pretrained
-    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
-                        lambda *a, **k: reads.append(k.get("gguf_file")) or read(*a, **k))
+    reads, read = [], AutoTokenizer.from_pretrained
+
+    def recorded(*args, **kwargs):
+        reads.append((kwargs.get("gguf_file"), read(*args, **kwargs)))
+        return reads[-1][1]
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", recorded)
     first, again = loading.load_tokenizer(), loading.load_tokenizer()
-    assert reads == [gguf, None, None]  # the file once, then the saved folder
+    assert [file for file, _ in reads] == [gguf, None, None]  # the file once, then the folder
+    direct = reads[0][1]  # as transformers reads it from the file
     assert not (tmp_path / "models" / loading._conversion(folder, gguf).name).exists()
     text = "héllo wörld 😀 — <|im_start|>user\nok<|im_end|>"
     chat = [{"role": "user", "content": "hi"}]

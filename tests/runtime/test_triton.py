@@ -106,7 +106,7 @@ def test_splits_of_a_sequence_merge_to_the_reference(name, monkeypatch):
     """Many programs per sequence and KV head (as on a GPU): pages split between them, splits
     with no page (the grid does not follow the page count), merged by log-sum-exp."""
     monkeypatch.setattr(gpu, "PROGRAMS", 64)
-    compare_batched(name, "triton", steps=7, device=DEVICE)
+    compare_batched(name, "triton", steps=2, device=DEVICE, lengths=(46, 25, 31))  # with pages
 
 
 @pytest.mark.parametrize("name", ["pnmix1", "wush", "full"])
@@ -221,22 +221,3 @@ def test_a_head_dim_beyond_the_kernels_is_refused_when_the_cache_is_made():
                                          "head_dim=320 is too large for the Triton kernels"):
         KVMixCache("kivi2", config, backend="triton")
     assert KVMixCache("kivi2", attention_config(4, 2, 256), backend="triton").backend == "triton"
-
-
-def test_generate_through_the_triton_backend_gives_the_reference_tokens():
-    from conftest import tiny_llama
-    from helpers import method_string
-
-    import kvmix
-
-    model, method = tiny_llama(seed=2).to(DEVICE), method_string("pnmix1")
-    prompt = torch.randint(1, 97, (2, 30), generator=torch.Generator().manual_seed(2))
-    prompt = prompt.to(DEVICE)
-    out = {}
-    for backend in ("torch", "triton"):
-        cache = kvmix.make_cache(model, method, backend=backend)
-        assert cache.backend == backend
-        with torch.no_grad():
-            out[backend] = model.generate(prompt, cache=cache, max_new_tokens=8,
-                                          do_sample=False, eos_token_id=None)
-    assert torch.equal(out["torch"], out["triton"])
