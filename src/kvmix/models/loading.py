@@ -97,8 +97,8 @@ def load_tokenizer(name: str = DEFAULT_MODEL) -> Any:
     from transformers import AutoTokenizer
 
     folder, extra = _readable(name)
-    if extra:  # a GGUF file not converted yet: its tokenizer, saved once (its vocabulary is
-        folder, extra = str(_saved_tokenizer(folder, extra["gguf_file"])), {}  # seconds to read)
+    if extra:  # a GGUF file not converted yet: its tokenizer, saved once (reading it: seconds)
+        folder, extra = str(_saved_tokenizer(folder, extra["gguf_file"])), {}
     return AutoTokenizer.from_pretrained(folder, **extra)
 
 
