@@ -692,9 +692,15 @@ def test_models_health_and_metrics(served, client):
     client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 4,
                                          "ignore_eos": True})
     client.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": "x"})
-    after = metrics(client)
-    gauge = {name: value for (name, labels), value in after.items() if not labels}
-    assert gauge["kvmix:num_requests_running"] == 0 and gauge["kvmix:num_requests_waiting"] == 0
+    deadline = time.monotonic() + 10  # the gauges are refreshed once the loop's turn has ended
+    while True:  # (the response can arrive first)
+        after = metrics(client)
+        gauge = {name: value for (name, labels), value in after.items() if not labels}
+        idle = gauge["kvmix:num_requests_running"] == gauge["kvmix:num_requests_waiting"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle
     assert gauge["kvmix:kv_cache_usage_perc"] == 0 and gauge["kvmix:pages_used"] == 0
     assert gauge["kvmix:cache_budget_bytes"] == pytest.approx(manager.budget.memory, rel=1e-5)
     assert gauge["kvmix:cache_bytes"] == manager.cache.kv.nbytes()
