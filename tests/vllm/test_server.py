@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import tempfile
 import urllib.request
@@ -42,6 +43,7 @@ def server():
         served.timeout = START_TIMEOUT
         with served as base:
             yield folder, base, served
+        assert not os.path.exists(served.temp)  # vLLM's sockets and files went with it
 
 
 def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
@@ -68,6 +70,7 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
     assert served.reported_tokens == blocks * 32
     assert 0 < served.startup_s < START_TIMEOUT  # measured: spawn to /health
+    assert os.listdir(served.temp)  # vLLM's sockets are in a folder of the server's own
 
 
 def test_kvmix_loadtests_client_runs_against_vllms_server(server):

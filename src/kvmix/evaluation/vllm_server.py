@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
@@ -50,7 +52,7 @@ def parse(setting: str) -> str:
 class VllmServer(LocalServer):
     """vLLM's OpenAI server for one setting, until the block ends: float32, eager, at most
     ``max_model_len`` tokens a request, ``memory`` bytes of KV cache, with ``extra`` arguments
-    (``--block-size 32``)."""
+    (``--block-size 32``); its temporary files (sockets) in a folder removed at the end."""
 
     timeout = 300.0  # vLLM starts in about a minute on 2 cores
 
@@ -60,6 +62,7 @@ class VllmServer(LocalServer):
         self.python, self.model, self.setting = python, model, parse(setting)
         self.memory, self.max_model_len, self.extra = memory, max_model_len, list(extra)
         self.reported_tokens: int | None = None
+        self.temp: str | None = None  # the server's TMPDIR while it runs
         # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override the budget
         self.env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
         self.env.update(PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")  # its engine
@@ -77,6 +80,8 @@ class VllmServer(LocalServer):
         if not Path(self.python).is_file():
             raise VllmMissing(f"vllm_python={self.python!r} does not exist: build vLLM's "
                               "environment with `make vllm`")
+        self.temp = tempfile.mkdtemp(prefix="kvmix-vllm-")  # its sockets and files
+        self.env["TMPDIR"] = self.temp
         try:
             url = super().__enter__()
         except ServerDown as error:
@@ -84,6 +89,11 @@ class VllmServer(LocalServer):
                               f"ends: {log_tail(self.log)}") from None
         self.reported_tokens = reported_tokens(self.log.read_text(errors="replace"))
         return url
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        if self.temp is not None:  # what vLLM left in its temporary folder goes with it
+            shutil.rmtree(self.temp, ignore_errors=True)
 
     def version(self) -> str | None:
         """The vLLM distribution in that environment (vllm-cpu on a CPU, vllm on CUDA)."""
