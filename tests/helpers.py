@@ -3,8 +3,6 @@ a driver that feeds one layer the way the model and the kvmix attention function
 
 from __future__ import annotations
 
-import atexit
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -60,9 +58,7 @@ def _calibrate(model) -> str:
     meta = {"model": spec.name, "layers": str(spec.n_layers), "kv_heads": str(spec.n_kv_heads),
             "head_dim": str(spec.head_dim), "block": str(spec.head_dim), "damping": "0.01",
             "data": "random", "tokens": "128"}
-    folder = tempfile.mkdtemp(prefix="kvmix-transforms-")
-    atexit.register(shutil.rmtree, folder, True)  # memoized for the session: removed at exit
-    path = Path(folder) / "transforms.safetensors"
+    path = Path(tempfile.mkdtemp()) / "transforms.safetensors"
     save_transforms(path, TransformSet(matrices["keys"], matrices["values"], meta))
     return str(path)
 
