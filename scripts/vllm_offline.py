@@ -1,6 +1,9 @@
 """vLLM's offline engine (``LLM.generate``) at a KV budget, with and without kvmix's plugin:
 24 random 512-token prompts, 96 greedy tokens each, timed as prefill alone (one token) and
-whole (batch 1: the fastest of three rounds). In the vLLM environment:
+whole (batch 1: the fastest of three rounds). Every round draws prompts of its own, so that no
+round reads another's blocks from vLLM's prefix cache (kvmix's pages hold 10x the tokens of
+vLLM's float pages: a repeated prompt would be prefilled once for kvmix only). In the vLLM
+environment:
 
     .venv-vllm/bin/python scripts/vllm_offline.py MODEL_DIR kivi2   # or auto, fp8
     .venv-vllm/bin/python scripts/vllm_offline.py MODEL_DIR kivi2 1  # batch 1: one prompt
@@ -31,10 +34,10 @@ def main(model: str, setting: str, prompts: str = "24") -> None:
               max_model_len=PROMPT + TOKENS + 1, kv_cache_memory_bytes=BUDGET, seed=0, **cache)
     g = torch.Generator().manual_seed(0)
     count = int(prompts)
-    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}
-               for _ in range(count)]
 
     def seconds(tokens: int) -> float:
+        prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}
+                   for _ in range(count)]
         start = time.perf_counter()
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0)
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -18,6 +18,7 @@ from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, parse_method
 from kvmix.runtime.cache import model_spec
 from kvmix.runtime.kernels import gpu
+from kvmix.vllm import plan
 from kvmix.vllm.layer import LayerCache, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StagingLost, plan_step
@@ -160,6 +161,17 @@ def check(run: Run) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
     check(Run(settings_for(name)).run())
+
+
+@pytest.mark.parametrize("tokens", [G, 2 * G + 1])
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
+def test_a_chunks_queries_in_blocks_attend_as_the_whole_chunk_does(monkeypatch, name, tokens):
+    """Blocks of one group and of two (a chunk of 11, 16 or 6 tokens then spans several, one
+    of them carrying staged tokens): each block's queries see what they saw as one call."""
+    monkeypatch.setattr(plan, "QUERY_TOKENS", tokens)
+    blocked = Run(settings_for(name)).run()
+    assert len(plan.query_blocks(11, 6, G, torch.device("cpu"))) == 2  # positions 11..16
+    check(blocked)
 
 
 def test_pages_reused_by_new_sequences_decode_with_their_new_selections():

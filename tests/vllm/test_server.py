@@ -71,6 +71,8 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
     assert served.reported_tokens == blocks * 32
     assert 0 < served.startup_s < START_TIMEOUT  # measured: spawn to /health
     assert os.listdir(served.temp)  # vLLM's sockets are in a folder of the server's own
+    log = served.log.read_text(errors="replace")  # the model in the engine core's process
+    assert "(EngineCore pid=" in log and "(Worker pid=" not in log
 
 
 def test_kvmix_loadtests_client_runs_against_vllms_server(server):

@@ -8,9 +8,9 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    selection from its tokens' queries and keys, later groups copy it from the first page;
 2. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op (on CUDA,
    its Triton kernels: two launches) over vLLM's block table, their float context the staged
-   tokens and the new one; longer rows (prefill chunks) through the reference path: each token
-   over the packed groups before its own (decoded pages) and its own group's floats, as a
-   decode at its position would see them (with ``prefill="exact"``, a prompt's first chunk
+   tokens and the new one; longer rows (prefill chunks) through the reference path, a block
+   of whole groups at a time: each token over the packed groups before its own (decoded
+   pages) and its own group's floats, as a decode at its position would see them (with ``prefill="exact"``, a prompt's first chunk
    over its own tokens in float instead, as a float prefill);
 3. stage — the new tokens of groups still open written to their staging slots.
 """
@@ -158,21 +158,18 @@ class LayerCache:
 
     def _as_decodes(self, chunk: Chunk, query, keys, values, scale: float) -> torch.Tensor:
         """query [1, Hq, n, D] of a chunk over its row's history, as decodes at the chunk's
-        positions see it, keys, values [1, H, n, D] its own -> [1, Hq, n, D]."""
-        G, n = self.method.group, chunk.stop - chunk.start
-        staged = chunk.before % G
+        positions see it, keys, values [1, H, n, D] its own -> [1, Hq, n, D]; block by block
+        (``Chunk.blocks``), each over the decoded groups its queries see and its own floats."""
+        staged = chunk.before % self.method.group
         if staged:
             held = self.staged[:, chunk.slot : chunk.slot + 1, :, :staged].float()
             keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
-        history = self._history(chunk.pages, chunk.first, torch.float32)
-        keys, values = torch.cat([history[0], keys], -2), torch.cat([history[1], values], -2)
-        device = keys.device
-        position = torch.arange(chunk.before, chunk.before + n, device=device)[:, None]  # [n, 1]
-        own = position // G
-        packed = torch.arange(len(chunk.pages) * G, device=device) // G < own  # [n, P·G]
-        floats = torch.arange(chunk.before - staged, chunk.before + n, device=device)
-        exact = (floats >= own * G) & (floats <= position)  # [n, o + n]
-        return sdpa(query, keys, values, scale, torch.cat([packed, exact], 1))
+        history = self._history(chunk.pages, chunk.first, torch.float32)  # [1, H, P·G, D]
+        return torch.cat([sdpa(query[:, :, b.start : b.stop],
+                               *(torch.cat([old[:, :, : b.packed], new[:, :, b.first : b.last]],
+                                           -2) for old, new in zip(history, (keys, values),
+                                                                    strict=True)),
+                               scale, b.mask) for b in chunk.blocks], -2)
 
     def _history(self, pages: list[int], first: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
