@@ -53,9 +53,12 @@ timeout 70 python scripts/gpu_step.py --out "$out/step" --context 15000 --batch 
 # 4. throughput at equal memory
 timeout 150 python scripts/gpu_throughput.py --out "$out/throughput" --requests 96 \
   2>&1 | tee "$out/throughput.txt"
-# 5. kvmix inside vLLM, where mainline vLLM is installed: the plugin's tests with
-#    --attention-backend CUSTOM (decode rows through kvmix's Triton kernels over vLLM's block
-#    table, compiled for the device: the same _pages and _merge kernels as step 1)
+# 5. kvmix inside vLLM: the plugin's step without an engine (its plan and layer cache over a
+#    block table laid out as vLLM's, on the device: decode rows through kvmix's Triton kernels
+#    compiled for it, prefill chunks, sealing) against the reference path on the CPU; where
+#    mainline vLLM is installed, the plugin's tests with --attention-backend CUSTOM too
+timeout 150 python -m pytest -q -x -p no:cacheprovider tests/vllm/test_plan.py -k triton \
+  2>&1 | tail -n 30 | tee "$out/vllm-step.txt"
 if python -c "import vllm" 2>/dev/null; then
   timeout 300 python -m pytest -q -x -p no:cacheprovider tests/vllm 2>&1 | tail -n 30 \
     | tee "$out/vllm.txt"

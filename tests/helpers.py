@@ -287,22 +287,25 @@ def production_step(cache: KVMixCache, staged, mask=None) -> torch.Tensor:
 
 def compare_production(method: str, backend: str, tolerance: float,
                        lengths: tuple[int, ...] = (300, 40, 170), steps: int | None = None,
-                       heads: tuple[int, int] = (PROD_HQ, PROD_H)) -> None:
+                       heads: tuple[int, int] = (PROD_HQ, PROD_H), device: str = "cpu") -> None:
     """A left-padded batch at production shapes (rows of ``lengths`` tokens: blocks, sink and
     residual, a row with no block yet), ``steps`` decode steps (by default across a block
     boundary), a crop inside a block and reordered beams halfway: each step's output from
-    ``backend`` within ``tolerance`` of the reference path's (``heads``: query and KV heads, of
-    dimension ``PROD_D``)."""
+    ``backend`` on ``device`` within ``tolerance`` of the reference path's on the CPU
+    (``heads``: query and KV heads, of dimension ``PROD_D``)."""
     fast, exact = (production_cache(method, b, heads) for b in (backend, "torch"))
+    places = ((fast, device), (exact, "cpu"))
     prompt = production_tokens(len(lengths), max(lengths), 0, heads)
-    for cache in (fast, exact):
-        production_step(cache, prompt, left_padded(list(lengths)))
+    for cache, place in places:
+        production_step(cache, [x.to(place) for x in prompt],
+                        left_padded(list(lengths)).to(place))
     steps = steps or fast.method.group + 2
     for i in range(steps):
         staged = production_tokens(len(lengths), 1, 100 + i, heads)
-        assert_near(production_step(fast, staged), production_step(exact, staged), tolerance)
+        assert_near(production_step(fast, [x.to(device) for x in staged]).cpu(),
+                    production_step(exact, staged), tolerance)
         if i == steps // 2:
-            for cache in (fast, exact):
+            for cache, place in places:
                 cache.crop(-5)
-                cache.reorder_cache(torch.tensor([0, 0, len(lengths) - 1]))
+                cache.reorder_cache(torch.tensor([0, 0, len(lengths) - 1], device=place))
     assert fast.layers[0].rows[0].lengths  # packed blocks were read

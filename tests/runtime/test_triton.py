@@ -58,7 +58,7 @@ def test_production_shapes_match_the_reference(method):
     16). 8:2 heads, not 32:8: a program per sequence and KV head has the same tiles, and the
     interpreter runs programs one by one (a quarter of the time; the CPU op runs 32:8). Block
     boundaries are crossed in the small-shape tests; here a few steps (the interpreter)."""
-    compare_production(method, "triton", TOLERANCE, steps=4, heads=(8, 2))
+    compare_production(method, "triton", TOLERANCE, steps=4, heads=(8, 2), device=DEVICE)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])

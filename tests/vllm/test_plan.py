@@ -30,6 +30,7 @@ G, BLOCK, LAYER, BLOCKS = 8, 16, 1, 12
 SCHEDULE = [[11, 3, 0], [6, 1, 5], [1, 1, 16], [1, 1, 1], [1, 1, 1], [1, 1, 0], [5, 0, 1],
             [1, 0, 0]]
 SEQUENCES = len(SCHEDULE[0])
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton compiled, else interpreted
 METHODS = ["full", "kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "kxvy:rotate=keys",
            "pnmix1", "kitty", "chanmix", "wush", "ggml-k8v4"]
 
@@ -49,8 +50,10 @@ def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str =
 class Run:
     """Random queries, keys, values of each sequence, fed to a ``LayerCache`` step by step."""
 
-    def __init__(self, settings: Settings, seed: int = 0, schedule=SCHEDULE):
+    def __init__(self, settings: Settings, seed: int = 0, schedule=SCHEDULE,
+                 device: str = "cpu"):
         self.settings, self.method, self.schedule = settings, settings.method, schedule
+        self.device = torch.device(device)
         lengths = np.array(schedule).sum(0)
         g = torch.Generator().manual_seed(seed)
         self.q = [torch.randn(n, HQ, D, generator=g) for n in lengths]  # [T, Hq, D]
@@ -63,12 +66,11 @@ class Run:
         for s, n in enumerate(need):
             self.table[s, :n] = order[taken : taken + n]
             taken += n
-        self.cache = LayerCache(settings, LAYER, torch.float32, SEQUENCES, BLOCK,
-                                torch.device("cpu"))
+        self.cache = LayerCache(settings, LAYER, torch.float32, SEQUENCES, BLOCK, self.device)
         page = max(layout(self.method, settings.spec, layer, torch.float32).page_bytes
                    for layer in range(settings.spec.n_layers))
         self.cache.bind(torch.zeros(BLOCKS, BLOCK // self.method.group * page,
-                                    dtype=torch.uint8))
+                                    dtype=torch.uint8, device=self.device))
         self.staging = Staging(SEQUENCES)
         self.outputs = [torch.zeros(n, HQ, D) for n in lengths]  # each token's attention
 
@@ -80,15 +82,16 @@ class Run:
             starts = np.concatenate([[0], np.cumsum(new)])
             lengths = done[rows] + new
             plan = plan_step(self.staging, self.method.group, BLOCK, starts, lengths,
-                             self.table[rows], torch.device("cpu"))
+                             self.table[rows], self.device)
             spans = [slice(done[s], done[s] + step[s]) for s in rows]
             query, key, value = (torch.cat([x[s][span] for s, span in zip(rows, spans,
                                                                             strict=True)])
                                  for x in (self.q, self.k, self.v))
+            query, key, value = (x.to(self.device) for x in (query, key, value))
             output = torch.zeros_like(query)
             self.cache.step(plan, query, key, value, D**-0.5, output)
             for i, (s, span) in enumerate(zip(rows, spans, strict=True)):
-                self.outputs[s][span] = output[starts[i] : starts[i + 1]]
+                self.outputs[s][span] = output[starts[i] : starts[i + 1]].cpu()
             done[rows] = lengths
         return self
 
@@ -198,10 +201,11 @@ def test_the_fused_op_and_the_reference_path_agree(name):
 @pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")
 @pytest.mark.parametrize("name", ["full", "kivi2", "pnmix1", "chanmix", "wush"])
 def test_the_triton_kernels_read_vllms_pages_as_the_reference_path_does(name):
-    """Decode rows through kvmix's Triton kernels over vLLM's block table (what a CUDA device
-    runs; here Triton's interpreter): per-token, per-channel (one, two and four planes) and
-    float pages, the same outputs as the reference path, pages out of order."""
-    fused = Run(settings_for(name, kernels="triton")).run()
+    """Decode rows through kvmix's Triton kernels over vLLM's block table (compiled on a CUDA
+    device, else in Triton's interpreter), prefill chunks beside them: per-token, per-channel
+    (one, two and four planes) and float pages, the same outputs as the reference path on the
+    CPU, pages out of order."""
+    fused = Run(settings_for(name, kernels="triton"), device=DEVICE).run()
     assert fused.cache.kernels == "triton"
     reference = Run(settings_for(name, kernels="torch")).run()
     for a, b in zip(fused.outputs, reference.outputs, strict=True):
@@ -213,7 +217,7 @@ def test_triton_splits_of_a_rows_pages_merge_to_the_reference_path(monkeypatch):
     """Many programs per row and KV head, as on a GPU: a row's pages in vLLM's block table
     split between them, the splits merged by log-sum-exp."""
     monkeypatch.setattr(gpu, "PROGRAMS", 64)
-    fused = Run(settings_for("kivi2", kernels="triton")).run()
+    fused = Run(settings_for("kivi2", kernels="triton"), device=DEVICE).run()
     reference = Run(settings_for("kivi2", kernels="torch")).run()
     for a, b in zip(fused.outputs, reference.outputs, strict=True):
         assert_near(a, b, op_tolerance(fused.method, gpu))

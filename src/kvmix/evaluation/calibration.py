@@ -48,8 +48,9 @@ def collect_moments(model, ids: torch.Tensor, chunk: int) -> dict[str, torch.Ten
 
 def compute_transforms(model, moments: dict[str, torch.Tensor], block: int,
                        damping: float) -> dict[str, dict[str, torch.Tensor]]:
-    """T_k and T_v [L, H, D, D] of every kind."""
-    outputs = output_weights(model)  # per layer [H, g·hidden, D]
+    """T_k and T_v [L, H, D, D] of every kind, on the CPU (where the model runs, a GPU too)."""
+    outputs = [w.cpu() for w in output_weights(model)]  # per layer [H, g·hidden, D]
+    moments = {side: m.cpu() for side, m in moments.items()}
     layers, heads, dim, _ = moments["keys"].shape
     eye = torch.eye(dim, dtype=torch.float64)
     result: dict[str, dict[str, torch.Tensor]] = {"keys": {}, "values": {}}

@@ -77,6 +77,7 @@ def _fold_layer(module: torch.nn.Module, transform: torch.Tensor, group: int) ->
     if not (hasattr(module, "v_proj") and hasattr(module, "o_proj")):
         raise ValueError(f"layer {module.layer_idx}: folding needs separate v_proj and o_proj")
     v_proj, o_proj = module.v_proj, module.o_proj
+    transform = transform.to(v_proj.weight.device)  # read from a file: on the CPU
     heads, dim = transform.shape[0], transform.shape[-1]
     weight = v_proj.weight.double().unflatten(0, (heads, dim))  # [H, D, hidden]
     v_proj.weight.copy_((transform @ weight).flatten(0, 1).to(v_proj.weight.dtype))

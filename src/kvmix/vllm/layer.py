@@ -235,7 +235,7 @@ class LayerCache:
         if not plan.first.any():
             return
         first = plan.first.nonzero().flatten()
-        tokens = torch.full((len(first),), float(self.method.group))
+        tokens = torch.full((len(first),), float(self.method.group), device=keys.device)
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer, values[first])
         _write(self.pages.selection, chosen, plan.seal_pages[first])
