@@ -10,8 +10,9 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    its Triton kernels: two launches) over vLLM's block table, their float context the staged
    tokens and the new one; longer rows (prefill chunks) through the reference path, a block
    of whole groups at a time: each token over the packed groups before its own (decoded
-   pages) and its own group's floats, as a decode at its position would see them (with ``prefill="exact"``, a prompt's first chunk
-   over its own tokens in float instead, as a float prefill);
+   pages) and its own group's floats, as a decode at its position would see them (with
+   ``prefill="exact"``, a prompt's first chunk over its own tokens in float instead, as a
+   float prefill);
 3. stage — the new tokens of groups still open written to their staging slots.
 """
 

@@ -409,17 +409,17 @@ if triton is not None:
 
     @triton.jit
     def _plane_part(query, qscale, rows, dim, scale, plane, PLANES: tl.constexpr,
-                    I: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
+                    PLANE: tl.constexpr, seq, head, heads, page, G: tl.constexpr,
                     BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr, PRECISION: tl.constexpr):
         """One plane's share of a page's scores: Σ_c q[r, idx_c]·scale[idx_c]·mult_c·code_c[t]
         -> [BLOCK_R, BLOCK_G] (query: this program's rows; scale: the page's, this head;
-        plane and PLANES[I]: ``_plane``; the layouts whole, since Triton 3.6 passes an entry
+        plane and PLANES[PLANE]: ``_plane``; the layouts whole, since Triton 3.6 passes an entry
         of a constexpr tuple to a function as a plain tuple and fails to compile it)."""
         codes, index, mult, channels = plane[0], plane[1], plane[2], plane[3]
         block_bytes, width, low_width = plane[4], plane[5], plane[6]
-        BITS: tl.constexpr = PLANES[I][0]
-        BLOCK_C: tl.constexpr = PLANES[I][1]
-        WORDS: tl.constexpr = PLANES[I][2]
+        BITS: tl.constexpr = PLANES[PLANE][0]
+        BLOCK_C: tl.constexpr = PLANES[PLANE][1]
+        WORDS: tl.constexpr = PLANES[PLANE][2]
         c = tl.arange(0, BLOCK_C)
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_G)
