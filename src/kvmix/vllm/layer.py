@@ -166,11 +166,12 @@ class LayerCache:
             held = self.staged[:, chunk.slot : chunk.slot + 1, :, :staged].float()
             keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
         history = self._history(chunk.pages, chunk.first, torch.float32)  # [1, H, P·G, D]
-        return torch.cat([sdpa(query[:, :, b.start : b.stop],
-                               *(torch.cat([old[:, :, : b.packed], new[:, :, b.first : b.last]],
-                                           -2) for old, new in zip(history, (keys, values),
-                                                                    strict=True)),
-                               scale, b.mask) for b in chunk.blocks], -2)
+        outputs = []
+        for b in chunk.blocks:
+            seen = [torch.cat([old[:, :, : b.packed], new[:, :, b.first : b.last]], -2)
+                    for old, new in zip(history, (keys, values), strict=True)]
+            outputs.append(sdpa(query[:, :, b.start : b.stop], *seen, scale, b.mask))
+        return torch.cat(outputs, -2)
 
     def _history(self, pages: list[int], first: int, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:

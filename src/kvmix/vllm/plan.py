@@ -184,9 +184,8 @@ class Block:
 
 def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Block]:
     """A chunk of ``n`` tokens after ``before`` in blocks of about ``QUERY_TOKENS`` positions
-    (whole groups): each block attends to the history its last group sees, not the chunk's
-    whole, which is what a chunk costs as one attention call (a prompt's first chunk: about a
-    quarter of the scores)."""
+    (whole groups). Each block attends only to the history its last group sees, so a prompt's
+    first chunk computes about a quarter of the scores of one call over its whole history."""
     span, opened = G * max(1, QUERY_TOKENS // G), before // G * G  # opened: floats' first
     blocks, a = [], before
     while a < before + n:
