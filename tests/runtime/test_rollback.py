@@ -36,8 +36,8 @@ def snapshot(layer) -> tuple:
         residual = slice(SINK, SINK + store.res_len[b])
         rows.append((store.sink_len[b], store.res_len[b], list(store.pages[b]),
                      list(store.held[b]), store.dropped[b],
-                     *(x[b, :, : store.sink_len[b]].clone() for x in (store.keys, store.values)),
-                     *(x[b, :, residual].clone() for x in (store.keys, store.values))))
+                     *(x[:, : store.sink_len[b]].clone() for x in store.slots(b)),
+                     *(x[:, residual].clone() for x in store.slots(b))))
     return rows, list(layer.pool.refs), sorted(layer.pool.free), list(layer.pads)
 
 

@@ -62,8 +62,7 @@ def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
     pages of the pool (reported as ``free``)."""
     if store.keys is None:
         return 0.0
-    slots = store.slot_rows * (store.method.sink + store.method.residual)
-    unused = slots - sum(store.sink_len) - sum(store.res_len)
+    unused = store.slot_capacity - sum(store.sink_len) - sum(store.res_len)
     free = len(store.pool.free) * page_bytes(store.method, spec, store.layer, dtype)
     return unused * slot_bytes(store.method, spec, dtype) + free
 

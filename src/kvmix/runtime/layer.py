@@ -124,6 +124,7 @@ class KVMixLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.backend = backend  # "torch" (the reference path), "cpu" or "triton" (fused ops)
         self.max_batch, self.max_pages = max_batch, max_pages
+        self.max_slots: int | None = None  # a fixed slot arena (a server's), else max_batch's
         self.kind = kind or Kind()
         self.reset()
 
@@ -246,7 +247,8 @@ class KVMixLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
             if self.max_batch is not None:  # a cache sized up front: every row's slots now
-                self.store.reserve_rows(self.max_batch)
+                self.store.reserve_slots(self.max_slots or self.max_batch * self.store.row_slots,
+                                         fixed=self.max_slots is not None)
         self._check_batch(first + len(prompts))
         prompts = [(q, stored(k, self.method), stored(v, self.method)) for q, k, v in prompts]
         self._stage()

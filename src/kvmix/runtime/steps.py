@@ -34,8 +34,8 @@ MIN_WIDTH = 16  # block-table columns at least: the width grows by doubling from
 class Step:
     """One decode step of every row, on the store's device (int64)."""
 
-    slots: torch.Tensor  # [B]: the slot of each row's new token
-    spans: torch.Tensor  # [B, 4]: sink start, sink length, residual start, residual length
+    slots: torch.Tensor  # [B]: where each row's new token goes in the slot arena
+    spans: torch.Tensor  # [B, 4]: sink start and length, residual start and length (arena)
     skips: torch.Tensor  # [B]: tokens hidden at the front of the first page (0: none)
 
 

@@ -8,11 +8,14 @@ padding), so a sequence gets the same store alone or in a padded batch.
 
 The storage is the batch's, not the sequence's:
 
-* float slots ``keys``, ``values``: [B, H, sink + residual, D] in the method's slot dtype
-  (``Method.slot_dtype``: float16 for a quantizing method in a float32 model); row b's sink
-  fills ``[0, sink_len[b])`` and its residual ``[sink, sink + res_len[b])``. New tokens are
-  rounded to it as they enter (``stored``), so a token is attended, kept and sealed as one
-  value;
+* float slots in one arena per layer, ``keys``, ``values``: [1, H, N, D] in the method's slot
+  dtype (``Method.slot_dtype``: float16 for a quantizing method in a float32 model). Row b owns
+  the extent ``[offset[b], offset[b] + capacity[b])``: at most ``sink + residual`` slots, fewer
+  for a request that will never hold them (``add_rows``); its sink fills slots
+  ``[0, sink_len[b])`` of the extent and its residual ``[sink, sink + res_len[b])``. Extents
+  are placed first fit, compacted when none fits (the arena grows unless it is fixed, as a
+  server's is). New tokens are rounded to the slot dtype as they enter (``stored``), so a token
+  is attended, kept and sealed as one value;
 * sealed pages in the layer's ``PagePool``; per row the page ids and the tokens each holds
   (``group``, less only after a crop) — the block table;
 * per row the prefill selection (PN-Mix masks, ...), each its own storage.
@@ -34,6 +37,7 @@ sequence for the reference path and the per-sequence kernels.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -64,11 +68,10 @@ class Placement:
 class Sealing:
     """What a decode step's commit changes in one store (``BatchStore.sealing``): every row's
     selection after the step, the rows whose residual is full and their oldest groups encoded
-    (the method's state of one page each; index and blocks None when no row is full)."""
+    (the method's state of one page each; None when no row is full)."""
 
     selections: list[Any]
     full: list[int]
-    index: torch.Tensor | None  # ``full`` on the store's device
     blocks: Blocks | None
 
 
@@ -89,9 +92,11 @@ class BatchStore:
         self.layer = layer
         self.pool = pool
         self.window = window  # a sliding-window layer's W, or None (every token stays visible)
-        self.keys = self.values = None  # [B, H, S + R, D]: views of the slot buffers
+        self.keys = self.values = None  # [1, H, N, D]: the slot arena
         self.dtype: torch.dtype | None = None  # the model's: what sealing and reading see
-        self._buffers: tuple[torch.Tensor, ...] = ()
+        self.fixed = False  # whether the arena keeps its size (a server's budget)
+        self.offset: list[int] = []  # per row, its extent in the arena
+        self.capacity: list[int] = []
         self.sink_len: list[int] = []
         self.res_len: list[int] = []
         self.pages: list[list[int]] = []  # page ids per row, in token order
@@ -108,78 +113,134 @@ class BatchStore:
         """Empty slots for ``batch`` rows shaped like ``like`` [*, H, *, D]."""
         self.sink_len, self.res_len, self.pages, self.held = [], [], [], []
         self.dropped, self.selections, self.prefilled = [], [], []
+        self.offset, self.capacity = [], []
         self.dtype = like.dtype
-        self._buffers = self._slot_buffers(batch, like)
-        self._view(0)
+        shape = (1, like.shape[1], batch * self.row_slots, like.shape[-1])
+        dtype = self.method.slot_dtype(self.dtype)
+        self.keys, self.values = like.new_zeros(shape, dtype=dtype), like.new_zeros(shape,
+                                                                                   dtype=dtype)
         self.add_rows(batch)
 
     # -- rows joining and leaving (continuous batching) ----------------------------------------
 
-    def add_rows(self, count: int) -> None:
-        """``count`` empty rows after the last (requests admitted); the slot buffers grow by
-        doubling, so a join copies no other row's slots but at a doubling."""
-        total = self.batch + count
-        if total > self.slot_rows:
-            self.reserve_rows(max(total, 2 * self.slot_rows))
+    @property
+    def row_slots(self) -> int:
+        """The most slots a row holds: its sink and residual."""
+        return self.method.sink + self.method.residual
+
+    @property
+    def slot_capacity(self) -> int:
+        """Slots the arena holds (rows' or free)."""
+        return self.keys.shape[2] if self.keys is not None else 0
+
+    def add_rows(self, count: int, capacity: list[int] | None = None) -> None:
+        """``count`` empty rows after the last (requests admitted), each with slots for
+        ``capacity`` tokens (a whole sink and residual by default; fewer for a request that
+        will never hold them): extents placed first fit, so a join copies no other row's
+        slots but when the rows are compacted."""
+        sizes = [self.row_slots] * count if capacity is None else [
+            min(c, self.row_slots) for c in capacity]
+        self.offset += self._extents(sizes)
+        self.capacity += sizes
         for name, empty in (("sink_len", 0), ("res_len", 0), ("dropped", 0),
                             ("selections", None), ("prefilled", False)):
             getattr(self, name).extend([empty] * count)
         self.pages += [[] for _ in range(count)]
         self.held += [[] for _ in range(count)]
-        self._view(total)
+        self._changed()
 
-    def reserve_rows(self, rows: int) -> None:
-        """Slot buffers for ``rows`` rows (the rows in use are copied over)."""
-        grown = self._slot_buffers(rows, self._buffers[0])
-        for old, new in zip(self._buffers, grown, strict=True):
-            new[: self.batch] = old[: self.batch]
-        self._buffers = grown
-        self._view(self.batch)
+    def reserve_slots(self, slots: int, fixed: bool = False) -> None:
+        """An arena of at least ``slots`` slots (the rows in use copied over); ``fixed``: it
+        never grows (``add_rows`` beyond it is refused)."""
+        if slots > self.slot_capacity:
+            self._rebuild(list(range(self.batch)), slots)
+        self.fixed = fixed
 
     def remove_row(self, b: int) -> int:
-        """Row ``b`` leaves (a request ended): its pages go back to the pool and the last row
-        moves into its place (one row's slots copied) -> the index the moved row had."""
+        """Row ``b`` leaves (a request ended): its pages go back to the pool, its extent is
+        free, and the last row takes its index (no slot is copied) -> the index the moved row
+        had."""
         last = self.batch - 1
         self.pool.release(self.pages[b])
-        if b != last:
-            for buffer in self._buffers:
-                buffer[b] = buffer[last]
         for name in ("sink_len", "res_len", "pages", "held", "dropped", "selections",
-                     "prefilled"):
+                     "prefilled", "offset", "capacity"):
             rows = getattr(self, name)
             rows[b] = rows[last]
             rows.pop()
-        self._view(last)
+        self._changed()
         return last
 
     def fork(self, b: int, count: int) -> None:
         """``count`` new rows after the last, each a copy of row ``b`` (choices of one prompt):
         its sealed pages shared (reference counts), its float slots and selection copied."""
         first = self.batch
-        self.add_rows(count)
+        self.add_rows(count, [self.capacity[b]] * count)
         for r in range(first, first + count):
-            for buffer in self._buffers:
-                buffer[r] = buffer[b]
+            for arena in (self.keys, self.values):
+                arena[..., self._extent(r), :] = arena[..., self._extent(b), :]
             self.pool.retain(self.pages[b])
             self.pages[r], self.held[r] = list(self.pages[b]), list(self.held[b])
             for name in ("sink_len", "res_len", "dropped", "prefilled"):
                 getattr(self, name)[r] = getattr(self, name)[b]
             self.selections[r] = map_tensors(self.selections[b], torch.clone)
-        self._view(self.batch)
+        self._changed()
 
-    @property
-    def slot_rows(self) -> int:
-        """Rows the slot buffers hold (in use or not)."""
-        return self._buffers[0].shape[0] if self.keys is not None else 0
+    def slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row ``b``'s extent of the arena: keys, values [H, capacity, D] (views)."""
+        extent = self._extent(b)
+        return self.keys[0, :, extent], self.values[0, :, extent]
 
-    def _slot_buffers(self, rows: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (rows, like.shape[1], self.method.sink + self.method.residual, like.shape[-1])
-        dtype = self.method.slot_dtype(self.dtype)
-        return like.new_zeros(shape, dtype=dtype), like.new_zeros(shape, dtype=dtype)
+    def _extent(self, b: int) -> slice:
+        return slice(self.offset[b], self.offset[b] + self.capacity[b])
 
-    def _view(self, rows: int) -> None:
-        """``keys``, ``values``: the first ``rows`` rows of the slot buffers (contiguous)."""
-        self.keys, self.values = (buffer[:rows] for buffer in self._buffers)
+    def _extents(self, sizes: list[int]) -> list[int]:
+        """Offsets of new extents of ``sizes`` slots: first fit in the arena's gaps; when one
+        does not fit, the rows are compacted and the new extents follow them (the arena grown
+        to hold them unless it is fixed)."""
+        gaps, offsets = self._gaps(), []
+        for size in sizes:
+            at = next((i for i, (_, length) in enumerate(gaps) if length >= size), None)
+            if at is None:
+                return self._compacted(sizes)
+            start, length = gaps[at]
+            offsets.append(start)
+            gaps[at] = (start + size, length - size)
+        return offsets
+
+    def _gaps(self) -> list[tuple[int, int]]:
+        """(start, length) of the arena's free stretches, in order."""
+        gaps, at = [], 0
+        for start, size in sorted(zip(self.offset, self.capacity, strict=True)):
+            gaps.append((at, start - at))
+            at = start + size
+        return [*gaps, (at, self.slot_capacity - at)]
+
+    def _compacted(self, sizes: list[int]) -> list[int]:
+        used = sum(self.capacity)
+        need = used + sum(sizes)
+        if self.fixed and need > self.slot_capacity:
+            raise ValueError(f"the float slots are full: {used} of {self.slot_capacity} slots "
+                             f"in use and {sum(sizes)} more needed (layer {self.layer})")
+        grown = need if need <= self.slot_capacity else max(need, self.slot_capacity * 5 // 4)
+        self._rebuild(list(range(self.batch)), max(grown, self.slot_capacity))
+        return list(itertools.accumulate(sizes, initial=used))[:-1]
+
+    def _rebuild(self, rows: list[int], slots: int) -> None:
+        """A new arena of ``slots`` slots holding the extents of ``rows`` (in that order, a row
+        may repeat) contiguous from 0; they become the rows."""
+        offsets = list(itertools.accumulate((self.capacity[b] for b in rows), initial=0))
+        fresh = []
+        for arena in (self.keys, self.values):
+            new = arena.new_zeros((*arena.shape[:2], slots, arena.shape[3]))
+            for at, b in zip(offsets, rows, strict=False):  # offsets: one more, the end
+                new[:, :, at : at + self.capacity[b]] = arena[:, :, self._extent(b)]
+            fresh.append(new)
+        self.keys, self.values = fresh
+        self.offset, self.capacity = offsets[:-1], [self.capacity[b] for b in rows]
+        self._changed()
+
+    def _changed(self) -> None:
+        """Rows or extents changed: the fused ops' cached arguments are stale."""
         self.version += 1
         self.table_version += 1
 
@@ -229,6 +290,7 @@ class BatchStore:
         ``encode`` call."""
         rows = range(self.batch) if rows is None else rows
         plans = [self._place(b, k.shape[-2]) for b, (k, _, _) in zip(rows, new, strict=True)]
+        self._check_room([p.row for p in plans if self._slots_after(p) > self.capacity[p.row]])
         self.pool.reserve(sum(p.blocks - p.dropped for p in plans))  # refuse before any change
         joined = [self._joined(p.row, k[0], v[0]) for p, (k, v, _) in zip(plans, new,
                                                                           strict=True)]
@@ -258,25 +320,42 @@ class BatchStore:
             dropped = min(max((edge - start) // m.group, 0), blocks)
         return Placement(b, into_sink, blocks, rest - blocks * m.group, dropped)
 
+    def _slots_after(self, plan: Placement) -> int:
+        """Slots of its extent row ``plan.row`` fills after ``plan``."""
+        if plan.residual:
+            return self.method.sink + plan.residual
+        return self.sink_len[plan.row] + plan.sink
+
+    def _check_room(self, rows: list[int]) -> None:
+        """A ``RowFault`` if ``rows`` (rows whose tokens would outgrow their extents) is not
+        empty: a request holds no more tokens than it was admitted with."""
+        if rows:
+            b = rows[0]
+            raise RowFault(f"row {b} has float slots for {self.capacity[b]} tokens (its "
+                           "admitted length) and would hold more (layer "
+                           f"{self.layer})", rows)
+
     def _joined(self, b: int, keys: torch.Tensor, values: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``b``'s residual followed by its new tokens, keys, values [H, r + n, D]."""
         s, r = self.method.sink, self.res_len[b]
-        return (torch.cat([self.keys[b, :, s : s + r], keys.to(self.keys.dtype)], dim=1),
-                torch.cat([self.values[b, :, s : s + r], values.to(self.values.dtype)], dim=1))
+        slot_keys, slot_values = self.slots(b)
+        return (torch.cat([slot_keys[:, s : s + r], keys.to(slot_keys.dtype)], dim=1),
+                torch.cat([slot_values[:, s : s + r], values.to(slot_values.dtype)], dim=1))
 
     def _lay_out(self, plan: Placement, keys: torch.Tensor, values: torch.Tensor):
         """Row ``plan.row``'s residual and new tokens (``_joined``, [H, r + n, D]) into sink,
         groups to seal (-> [] or [(row, keys, values [n_blocks, H, G, D])]) and residual."""
         b, m, s = plan.row, self.method, self.method.sink
         at = self.sink_len[b]
-        self.keys[b, :, at : at + plan.sink] = keys[:, : plan.sink]
-        self.values[b, :, at : at + plan.sink] = values[:, : plan.sink]
+        slot_keys, slot_values = self.slots(b)
+        slot_keys[:, at : at + plan.sink] = keys[:, : plan.sink]
+        slot_values[:, at : at + plan.sink] = values[:, : plan.sink]
         self.sink_len[b] += plan.sink
         cut = _cut(m, plan)
         tail = slice(cut, cut + plan.residual)
-        self.keys[b, :, s : s + plan.residual] = keys[:, tail]
-        self.values[b, :, s : s + plan.residual] = values[:, tail]
+        slot_keys[:, s : s + plan.residual] = keys[:, tail]
+        slot_values[:, s : s + plan.residual] = values[:, tail]
         self.res_len[b] = plan.residual
         if plan.dropped:  # past the window at once: the pages before them go too
             self._release_front(b, len(self.pages[b]))
@@ -304,10 +383,10 @@ class BatchStore:
         """One new token per row, keys, values [B, H, 1, D], into its sink or residual slot,
         through the step's slot index on the device (``self.step``, uploaded once per step for
         every layer of the kind): no host value of the step reaches the launch."""
-        step = self.steps.advance(self, [self._slot(b) for b in range(self.batch)])
-        index = step.slots.view(-1, 1, 1, 1).expand(-1, keys.shape[1], 1, keys.shape[-1])
-        self.keys.scatter_(2, index, keys.to(self.keys.dtype))
-        self.values.scatter_(2, index, values.to(self.values.dtype))
+        step = self.steps.advance(self, [self.offset[b] + self._slot(b)
+                                         for b in range(self.batch)])
+        for arena, new in ((self.keys, keys), (self.values, values)):  # [N, H, D] <- [B, H, D]
+            arena[0].transpose(0, 1).index_copy_(0, step.slots, new[:, :, 0].to(arena.dtype))
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Every row's sink and residual lengths (what a decode step's ``write`` changes)."""
@@ -322,8 +401,9 @@ class BatchStore:
         self.table_version += 1
 
     def reserve_step(self) -> None:
-        """Room in the pool for the pages a decode step will seal, or an error before anything
-        changes."""
+        """Room in every row's extent for its next token, and in the pool for the pages a
+        decode step will seal, or an error before anything changes."""
+        self._check_room([b for b in range(self.batch) if self._next_slot(b) >= self.capacity[b]])
         full = self.method.residual - 1
         self.pool.reserve(sum(self._to_residual(b) and self.res_len[b] >= full
                               for b in range(self.batch)))
@@ -332,12 +412,20 @@ class BatchStore:
         """Whether row b's next token enters the residual (else the sink, while it fills)."""
         return bool(self.pages[b]) or self.res_len[b] > 0 or self.sink_len[b] >= self.method.sink
 
-    def _slot(self, b: int) -> int:
+    def _next_slot(self, b: int) -> int:
+        """Row ``b``'s slot for its next token, in its extent."""
         if not self._to_residual(b):
+            return self.sink_len[b]
+        return self.method.sink + self.res_len[b]
+
+    def _slot(self, b: int) -> int:
+        """Row ``b``'s next token enters its slot (``_next_slot``): its counts advance."""
+        slot = self._next_slot(b)
+        if self._to_residual(b):
+            self.res_len[b] += 1
+        else:
             self.sink_len[b] += 1
-            return self.sink_len[b] - 1
-        self.res_len[b] += 1
-        return self.method.sink + self.res_len[b] - 1
+        return slot
 
     def sealing(self, queries: torch.Tensor, keys: torch.Tensor) -> Sealing:
         """What committing a decode step (its new tokens written: queries [B, Hq, 1, D], keys
@@ -352,13 +440,13 @@ class BatchStore:
                           for b in range(self.batch)]
         full = [b for b in range(self.batch) if self.res_len[b] >= self.method.residual]
         if not full:
-            return Sealing(selections, full, None, None)
+            return Sealing(selections, full, None)
         self.pool.reserve(len(full))  # the pool may grow: no token changes place
-        index = torch.tensor(full, device=self.keys.device)
-        oldest = slice(self.method.sink, self.method.sink + self.method.group)
-        blocks = self._encode(full, [1] * len(full), self.keys[index, :, oldest],
-                              self.values[index, :, oldest], selections)  # [n, H, G, D] in
-        return Sealing(selections, full, index, blocks)
+        oldest = self._positions(full, self.method.sink, self.method.group).view(len(full), -1)
+        blocks = self._encode(full, [1] * len(full), *(
+            x[0].transpose(0, 1)[oldest].transpose(1, 2).contiguous()  # [n, H, G, D]
+            for x in (self.keys, self.values)), selections)
+        return Sealing(selections, full, blocks)
 
     def keep(self, sealing: Sealing) -> None:
         """Apply a step's ``sealing`` (nothing here can fail): the selections, each full row's
@@ -368,14 +456,21 @@ class BatchStore:
             self.selections = sealing.selections
             self.version += 1
         if sealing.full:
-            m, s, full, index = self.method, self.method.sink, sealing.full, sealing.index
-            kept = slice(s + m.group, s + m.residual)
-            self.keys[index, :, s : s + m.residual - m.group] = self.keys[index, :, kept]
-            self.values[index, :, s : s + m.residual - m.group] = self.values[index, :, kept]
+            m, s, full = self.method, self.method.sink, sealing.full
+            kept = self._positions(full, s + m.group, m.residual - m.group)
+            moved = self._positions(full, s, m.residual - m.group)
+            for arena in (self.keys, self.values):
+                arena[0][:, moved] = arena[0][:, kept]
             for b in full:
                 self.res_len[b] -= m.group
             self._store_pages(full, [1] * len(full), sealing.blocks)
         self._slide(range(self.batch))
+
+    def _positions(self, rows: list[int], start: int, count: int) -> torch.Tensor:
+        """Arena positions of slots ``[start, start + count)`` of each of ``rows``, row after
+        row: [len(rows) * count] on the arena's device."""
+        return torch.tensor([self.offset[b] + start + i for b in rows for i in range(count)],
+                            dtype=torch.long, device=self.keys.device)
 
     # -- the window ----------------------------------------------------------------------------
 
@@ -431,16 +526,17 @@ class BatchStore:
     # -- reading -------------------------------------------------------------------------------
 
     def float_spans(self) -> list[tuple[int, int, int, int]]:
-        """Per row (sink start, sink length, residual start, residual length) in the slots:
+        """Per row (sink start, sink length, residual start, residual length) in the arena:
         what the newest held token sees."""
-        s, spans = self.method.sink, []
+        s, o, spans = self.method.sink, self.offset, []
         if self.window is None:  # every decode step: no per-row count of held tokens
-            return [(0, self.sink_len[b], s, self.res_len[b]) for b in range(self.batch)]
+            return [(o[b], self.sink_len[b], o[b] + s, self.res_len[b])
+                    for b in range(self.batch)]
         for b in range(self.batch):
             edge, sink, residual = self.visible_from(b), self.sink_len[b], self.res_len[b]
             hidden_sink = min(edge, sink)
             hidden_residual = min(max(edge - (self.seen(b) - residual), 0), residual)
-            spans.append((hidden_sink, sink - hidden_sink, s + hidden_residual,
+            spans.append((o[b] + hidden_sink, sink - hidden_sink, o[b] + s + hidden_residual,
                           residual - hidden_residual))
         return spans
 
@@ -477,8 +573,7 @@ class BatchStore:
         holder; float slots and selections are copied (a row used twice owns its own)."""
         if self.keys is None:
             return
-        where = torch.tensor(index, device=self.keys.device)
-        self._buffers = tuple(x.index_select(0, where) for x in (self.keys, self.values))
+        self._rebuild(index, max(self.slot_capacity, sum(self.capacity[b] for b in index)))
         old = self.pages
         self.pages = [list(old[b]) for b in index]
         for pages in self.pages:
@@ -495,13 +590,12 @@ class BatchStore:
         for name in ("sink_len", "res_len", "prefilled", "dropped"):
             setattr(self, name, [getattr(self, name)[b] for b in index])
         self.held = [list(self.held[b]) for b in index]
-        self._view(len(index))
 
     def to(self, device: torch.device | str) -> None:
         moved = functools.partial(map_tensors, fn=lambda t: t.to(device, non_blocking=True))
         if self.keys is not None:
-            self._buffers = tuple(moved(x) for x in self._buffers)
-            self._view(self.batch)
+            self.keys, self.values = moved(self.keys), moved(self.values)
+            self._changed()
         self.selections = [moved(s) for s in self.selections]
         self.version += 1
 
@@ -515,7 +609,7 @@ class BatchStore:
             return total
         slot = self.keys.element_size() * self.keys.shape[1] * self.keys.shape[3]  # one token
         sink, residual = sum(self.sink_len), sum(self.res_len)
-        capacity = storage_bytes(self.keys) // slot  # every slot of the buffers, rows or not
+        capacity = storage_bytes(self.keys) // slot  # every slot of the arena, rows' or not
         total["sink"] += 2 * slot * sink
         total["residual"] += 2 * slot * residual
         total[FREE] += 2 * slot * (capacity - sink - residual)
@@ -556,21 +650,24 @@ class RowView:
 
     @property
     def sink_keys(self) -> torch.Tensor:  # [1, H, s, D]
-        return self.store.keys[self.b : self.b + 1, :, : self.store.sink_len[self.b]]
+        return self._slots(self.store.keys, 0, self.store.sink_len[self.b])
 
     @property
     def sink_values(self) -> torch.Tensor:
-        return self.store.values[self.b : self.b + 1, :, : self.store.sink_len[self.b]]
+        return self._slots(self.store.values, 0, self.store.sink_len[self.b])
 
     @property
     def res_keys(self) -> torch.Tensor:  # [1, H, r, D]
-        s = self.method.sink
-        return self.store.keys[self.b : self.b + 1, :, s : s + self.store.res_len[self.b]]
+        return self._slots(self.store.keys, self.method.sink, self.store.res_len[self.b])
 
     @property
     def res_values(self) -> torch.Tensor:
-        s = self.method.sink
-        return self.store.values[self.b : self.b + 1, :, s : s + self.store.res_len[self.b]]
+        return self._slots(self.store.values, self.method.sink, self.store.res_len[self.b])
+
+    def _slots(self, arena: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        """Slots ``[start, start + count)`` of the row's extent: a view [1, H, count, D]."""
+        at = self.store.offset[self.b] + start
+        return arena[:, :, at : at + count]
 
     @functools.cached_property
     def blocks(self) -> Blocks | None:

@@ -328,8 +328,8 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 }
 
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
-// float slot) over float slots [S, H, T, D] (spans [S, 4]: sink start and length, residual
-// start and length) and pages of one pool read through the block table (pages, held [S, M],
+// float slot) over float slots [S, H, T, D], or one arena [1, H, T, D] all sequences share
+// (spans [S, 4]: sink start and length, residual start and length, in the sequence's row) and pages of one pool read through the block table (pages, held [S, M],
 // counts [S]): float pages [P, H, G, D] (the `full` method), or packed ones with per-sequence
 // plane indices, multipliers and key offsets [S or 1, H, ...].
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
@@ -343,12 +343,13 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
   check(S > 0, "the batch is empty");
-  check(slot_keys.dim() == 4, "slots must be [S, H, T, D]");
-  check(slot_keys.dim() == 4 && slot_keys.size(0) == S && slot_keys.size(3) == D &&
+  check(slot_keys.dim() == 4, "slots must be [S or 1, H, T, D]");
+  check(slot_keys.dim() == 4 && (slot_keys.size(0) == S || slot_keys.size(0) == 1) &&
+            slot_keys.size(3) == D &&
             floating(slot_keys) && slot_keys.scalar_type() == slot_values.scalar_type() &&
             slot_keys.sizes() == slot_values.sizes(),
-        "slots must be [S, H, T, D] float32 or float16 keys and values of equal shape and "
-        "dtype");
+        "slots must be [S or 1, H, T, D] float32 or float16 keys and values of equal shape "
+        "and dtype");
   check(spans.dim() == 2 && spans.size(0) == S && spans.size(1) == 4, "spans must be [S, 4]");
   check(pages.dim() == 2 && pages.size(0) == S && held.sizes() == pages.sizes() &&
             counts.numel() == S, "the block table must be pages, held [S, M] and counts [S]");
@@ -358,6 +359,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const int64_t* hidden = skip.has_value() ? data<int64_t>(*skip, "skip") : nullptr;
   const int64_t M = pages.size(1);
   const bool half = slot_keys.scalar_type() == at::kHalf;
+  const int64_t row_step = slot_keys.size(0) == 1 ? 0 : H * T;  // an arena: spans place rows
   const size_t width = half ? 2 : 4;  // bytes per element
   const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
   const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
@@ -378,7 +380,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     for (int which = 0; which < 2; ++which) {
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
       check(start >= 0 && length >= 0 && start + length <= T, "spans must lie in the slots");
-      const int64_t at = (s * H * T + start) * D;
+      const int64_t at = (s * row_step + start) * D;
       if (length)
         p.segments.push_back({keys + at * width, values + at * width, 1, length, false, T * D,
                               half});

@@ -179,7 +179,8 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
     shapes = [(parts, rows, heads, reps, dim), (parts, rows, heads, reps),
               (parts, rows, heads, reps)]
     acc, top, total = (workspace or Workspace()).take(shapes, query.device)
-    slot_args = (*slots, slots[0].shape[2]) if slots else (query, query, table.counts, 0)
+    slot_args = ((*slots, slots[0].shape[2], _row_step(slots[0])) if slots
+                 else (query, query, table.counts, 0, 0))
     channels, (keys, key_layout), (values, value_layout) = batch.arguments(
         pool, "triton", lambda p: _pool_sources(p, group, dim))
     sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group,
@@ -191,6 +192,12 @@ def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None
                                   table.width, splits, keys, values, slot_args, acc, top,
                                   total, heads, reps, dim, **sizes)
     return acc, top, total
+
+
+def _row_step(keys: torch.Tensor) -> int:
+    """Elements from one sequence's float slots [B, H, T, D] to the next: 0 in an arena
+    [1, H, T, D] the sequences share (their spans place them)."""
+    return 0 if keys.shape[0] == 1 else keys[0].numel()
 
 
 def _pool_sources(pool: batch.PoolView, group: int, dim: int) -> tuple:
@@ -495,29 +502,30 @@ if triton is not None:
                BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                PRECISION: tl.constexpr):
         """A sequence's float slots for one KV head into the online softmax. ``slots``: keys,
-        values [B, H, T, D] (any float dtype), spans [B, 4] (what the newest token sees: sink
-        start and length, residual start and length), T."""
-        keys, values, spans, count = slots[0], slots[1], slots[2], slots[3]
+        values [B, H, T, D] or one arena [1, H, T, D] (any float dtype), spans [B, 4] (what
+        the newest token sees: sink start and length, residual start and length, in the
+        sequence's row), T, and the elements from one row to the next (0: an arena)."""
+        keys, values, spans, count, row_step = slots[0], slots[1], slots[2], slots[3], slots[4]
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_T)
         d = tl.arange(0, BLOCK_D)
         q = tl.load(query + r[:, None] * dim + d[None, :],
                     mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
         q = q.to(tl.float32) * qscale  # [R, D]
-        sink, sinks = tl.load(spans + seq * 4), tl.load(spans + seq * 4 + 1)
-        residual, residuals = tl.load(spans + seq * 4 + 2), tl.load(spans + seq * 4 + 3)
-        base = (seq * heads + head) * count * dim
-        for start in range(0, count, BLOCK_T):
-            at = start + t
-            where = base + at[:, None] * dim + d[None, :]
-            held = (at[:, None] < count) & (d[None, :] < dim)
-            k = tl.load(keys + where, mask=held, other=0.0).to(tl.float32)  # [T, D]
-            v = tl.load(values + where, mask=held, other=0.0).to(tl.float32)
-            seen = ((at >= sink) & (at < sink + sinks)) | ((at >= residual)
-                                                          & (at < residual + residuals))
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, T]
-            scores = tl.where((r[:, None] < rows) & seen[None, :], scores, float("-inf"))
-            running, mass, out = _fold(scores, v, running, mass, out, PRECISION)
+        base = seq * row_step + head * count * dim
+        for part in range(2):  # the sink, then the residual
+            first = tl.load(spans + seq * 4 + 2 * part)
+            end = first + tl.load(spans + seq * 4 + 2 * part + 1)
+            for start in range(first, end, BLOCK_T):
+                at = start + t
+                where = base + at[:, None] * dim + d[None, :]
+                held = (at[:, None] < end) & (d[None, :] < dim)
+                k = tl.load(keys + where, mask=held, other=0.0).to(tl.float32)  # [T, D]
+                v = tl.load(values + where, mask=held, other=0.0).to(tl.float32)
+                scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [R, T]
+                scores = tl.where((r[:, None] < rows) & (at < end)[None, :], scores,
+                                  float("-inf"))
+                running, mass, out = _fold(scores, v, running, mass, out, PRECISION)
         return running, mass, out
 
     @triton.jit
