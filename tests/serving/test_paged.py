@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import run_requests, tiny_llama
-from helpers import RESIDUAL, method_string
+from helpers import RESIDUAL, SINK, method_string
 from transformers import LogitsProcessor, LogitsProcessorList, MistralConfig, MistralForCausalLM
 
 import kvmix
@@ -139,6 +139,30 @@ def test_the_budget_prices_float_slots_at_the_bytes_the_cache_allocates(model):
     assert rows["float16"] > rows["float32"]
 
 
+def test_short_requests_take_only_the_float_slots_they_can_fill(model, monkeypatch):
+    """A budget split for one request of 110 tokens holds one whole sink and residual per
+    layer (20 slots). Requests of 5 + 4 tokens can fill 9 slots each, so two run at once in
+    that same arena (a split by whole rows ran one), each giving its solo run's tokens; the
+    arena never grows and nothing stays reserved."""
+    method = method_string("kivi2")
+    manager = KVMixManager(model, method, budget_for(model, method, 1.2, 110),
+                           max_new_tokens=NEW, length=110)
+    budget = manager.budget
+    assert budget.rows == 1 and budget.arena == SINK + RESIDUAL
+    steps, caches = watch_steps(monkeypatch), []
+    plan = KVMixPagedCache._plan
+    monkeypatch.setattr(KVMixPagedCache, "_plan", lambda c: caches.append(c) or plan(c))
+    short = prompts((5, 5, 5, 5), seed=9)
+    results = run_requests(manager, [{"input_ids": p, "request_id": str(i), "max_new_tokens": 4}
+                                     for i, p in enumerate(short)])
+    assert max(rows for rows, *_ in steps) == 2
+    for i, p in enumerate(short):
+        assert results[str(i)].generated_tokens == alone(model, method, p)[:4], i
+    cache = caches[-1]
+    assert {layer.store.slot_capacity for layer in cache.layers} == {budget.arena}
+    assert cache.slots_reserved == 0 and not cache.reserved
+
+
 def test_a_sliding_window_model_serves_each_request_as_alone():
     """Mistral with a window shorter than the prompts: pages behind each request's window go
     back to the pool while it runs, and its tokens are still its solo run's."""
@@ -187,9 +211,9 @@ def test_the_loop_decodes_every_running_request_in_one_call_per_layer(model, mon
         calls.append((layer.layer_idx, query.shape[0]))
         return decode(layer, query, *rest)
 
-    def joined(layer, prompts, scaling):
+    def joined(layer, prompts, scaling, extents=None):
         joins.extend(p[1].shape[-2] for p in prompts if layer.layer_idx == 0)
-        return join(layer, prompts, scaling)
+        return join(layer, prompts, scaling, extents)
 
     monkeypatch.setattr(KVMixLayer, "decode", counted)
     monkeypatch.setattr(KVMixLayer, "join", joined)

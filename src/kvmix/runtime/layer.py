@@ -234,12 +234,13 @@ class KVMixLayer(CacheLayerMixin):
         return self._write_and_attend(query, keys, values, scaling)
 
     def join(self, prompts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-             scaling: float) -> list[torch.Tensor]:
+             scaling: float, extents: list[int] | None = None) -> list[torch.Tensor]:
         """New sequences after the last row (requests admitted at this step), each its whole
         prompt: queries [1, Hq, n, D] (in the cache's key space), keys (transformed), values
-        [1, H, n, D]. Each attends over itself, as a prompt of ``generate`` does, and is
-        laid out -> outputs [1, Hq, n, D]. A prompt refused (non-finite, or beyond float16
-        for a quantizing method) raises a ``RowFault`` naming its row."""
+        [1, H, n, D]; ``extents``: the float slots of each (a whole sink and residual by
+        default). Each attends over itself, as a prompt of ``generate`` does, and is laid out
+        -> outputs [1, Hq, n, D]. A prompt refused (non-finite, or beyond float16 for a
+        quantizing method) raises a ``RowFault`` naming its row."""
         first = self.store.batch
         for i, (_, keys, values) in enumerate(prompts):
             check_finite(keys, values, self.layer_idx, [first + i])
@@ -252,7 +253,7 @@ class KVMixLayer(CacheLayerMixin):
         self._check_batch(first + len(prompts))
         prompts = [(q, stored(k, self.method), stored(v, self.method)) for q, k, v in prompts]
         self._stage()
-        self.store.add_rows(len(prompts))
+        self.store.add_rows(len(prompts), extents)
         self.pads += [0] * len(prompts)
         out = [self._attend_row(self.store.row(first + i), q, k, v, scaling)
                for i, (q, k, v) in enumerate(prompts)]

@@ -140,7 +140,8 @@ class BatchStore:
         slots but when the rows are compacted."""
         sizes = [self.row_slots] * count if capacity is None else [
             min(c, self.row_slots) for c in capacity]
-        self.offset += self._extents(sizes)
+        offsets = self._extents(sizes)  # may compact the rows: their offsets change
+        self.offset += offsets
         self.capacity += sizes
         for name, empty in (("sink_len", 0), ("res_len", 0), ("dropped", 0),
                             ("selections", None), ("prefilled", False)):

@@ -2,15 +2,19 @@
 request reserves of it.
 
 The budget is split once, for requests of ``length`` tokens: ``rows`` requests of that length
-fit it by the planner's formula (float slots whole, pages at the method's bits, selection), and
-every layer gets float slots for ``rows`` requests and a pool of the pages ``rows`` requests of
-``span`` tokens hold (``span`` >= ``length``: what the budget leaves for pages once the rows
-are capped). That storage is allocated when first used and never grows, so the cache never
-holds more than ``memory``.
+fit it by the planner's formula (pages at the method's bits, selection, float slots for the
+tokens the request can hold: its sink and residual, or fewer when it is shorter), and every
+layer gets a float slot arena of ``arena`` slots (``rows`` such requests' extents) and a pool
+of the pages ``rows`` requests of ``span`` tokens hold (``span`` >= ``length``: what the budget
+leaves for pages once the rows are capped). That storage is allocated when first used and
+never grows, so the cache never holds more than ``memory``.
 
-The policy is a full reservation: a request is admitted when a row is free and the pages it
-will hold at ``prompt + max_new_tokens`` tokens fit beside every running request's, in every
-layer, and keeps them until it ends. A running request therefore never lacks a page, so
+The policy is a full reservation by need: a request is admitted when its float slots (an extent
+of ``extent(prompt + max_new_tokens)`` slots per choice: a short request takes less than a
+whole sink and residual) fit the arena and the pages it will hold at ``prompt +
+max_new_tokens`` tokens fit the pool, beside every running request's, in every layer, and
+keeps them until it ends. Short requests therefore run more at once than ``rows``, up to
+``most_rows``. A running request therefore never lacks a page, so
 nothing is evicted, offloaded or re-prefilled (a re-prefill would change a PN-Mix selection,
 and the output would no longer be what ``generate`` gives the prompt alone). Requests longer
 than ``length`` run fewer at once, shorter ones are bounded by the rows.
@@ -65,18 +69,33 @@ class Budget:
         return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["static"]
 
     @functools.cached_property
+    def slot_bytes(self) -> float:
+        """Bytes of one float slot (a token's keys and values) in every layer."""
+        return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["free"] / self.row_slots
+
+    @property
+    def row_slots(self) -> int:
+        """The most float slots a request holds: the method's sink and residual."""
+        return self.method.sink + self.method.residual
+
+    def extent(self, tokens: int) -> int:
+        """Float slots a request of at most ``tokens`` tokens holds at most (per layer)."""
+        return min(tokens, self.row_slots)
+
+    @functools.cached_property
     def slots(self) -> float:
-        """Bytes of one request's float slots (sink and residual, every layer): held whole by
-        every row, filled or not."""
-        return kv_bytes(self.method, self.arch, 1, 0, self.dtype)["free"]
+        """Bytes of the float slots of one request of ``length`` tokens (every layer)."""
+        return self.extent(self.length) * self.slot_bytes
 
     def footprint(self, tokens: int) -> float:
-        """Bytes one request holds at ``tokens`` tokens, the planner's formula."""
+        """Bytes one request holds at ``tokens`` tokens, the planner's formula, its float slots
+        priced at its extent (the slots it may fill, not a whole sink and residual)."""
         if tokens not in self._footprints:
             if len(self._footprints) >= FOOTPRINTS:  # a bounded memo, whatever clients ask
                 self._footprints.clear()
             parts = kv_bytes(self.method, self.arch, 1, tokens, self.dtype)
-            self._footprints[tokens] = sum(parts.values()) - parts["static"]
+            unused = (self.row_slots - self.extent(tokens)) * self.slot_bytes
+            self._footprints[tokens] = sum(parts.values()) - parts["static"] - unused
         return self._footprints[tokens]
 
     def fits(self, tokens: int) -> int:
@@ -85,8 +104,20 @@ class Budget:
 
     @functools.cached_property
     def rows(self) -> int:
-        """Requests that run at once (each decodes a token at every forward)."""
-        return min(self.fits(self.length), self.max_batch_tokens - 1, MOST_ROWS)
+        """Requests of ``length`` tokens that run at once (each decodes a token at every
+        forward): what the storage is split for."""
+        return min(self.fits(self.length), self.most_rows)
+
+    @property
+    def most_rows(self) -> int:
+        """Requests that may run at once, however short: every running request decodes a
+        token at every forward."""
+        return min(self.max_batch_tokens - 1, MOST_ROWS)
+
+    @functools.cached_property
+    def arena(self) -> int:
+        """Float slots of each layer's arena: ``rows`` requests of ``length`` tokens."""
+        return self.rows * self.extent(self.length)
 
     @functools.cached_property
     def windows(self) -> list[int | None]:
@@ -104,17 +135,19 @@ class Budget:
         With n > 1 the prompt less its last token is prefilled once and its sealed pages are
         shared by every choice (full-attention layers: a sliding window releases them);
         one choice shares nothing."""
-        whole = Reservation(self.footprint(tokens), tuple(self.pages(tokens)))
+        whole = Reservation(self.footprint(tokens), tuple(self.pages(tokens)),
+                            self.extent(tokens))
         if n == 1:
-            return whole, Reservation(0.0, (0,) * len(self.windows))
+            return whole, Reservation(0.0, (0,) * len(self.windows), 0)
         held = layout(self.method, prompt - 1)
         spec = self.arch.spec()
         shared = Reservation(
             sum(segment_bytes(self.method, spec, i, held, self.dtype)["blocks"]
                 for i, kind in enumerate(self.arch.layer_types) if kind != SLIDING),
-            tuple(held.blocks if w is None else 0 for w in self.windows))
+            tuple(held.blocks if w is None else 0 for w in self.windows), 0)
         own = Reservation(whole.nbytes - shared.nbytes,
-                          tuple(w - s for w, s in zip(whole.pages, shared.pages, strict=True)))
+                          tuple(w - s for w, s in zip(whole.pages, shared.pages, strict=True)),
+                          whole.slots)
         return own, shared
 
     def need(self, own: Reservation, shared: Reservation, n: int) -> list[int]:
@@ -136,8 +169,9 @@ class Budget:
     def longest(self) -> int:
         """The most tokens one request can reach: the model's positions, or what the pools
         hold for it alone."""
-        return _last(1, self.arch.max_positions or 1 << 24, lambda t: all(
-            n <= c for n, c in zip(self.pages(t), self.capacity, strict=True)))
+        return _last(1, self.arch.max_positions or 1 << 24, lambda t: self.extent(t) <=
+                     self.arena and all(n <= c for n, c in zip(self.pages(t), self.capacity,
+                                                               strict=True)))
 
     def refusal(self, prompt: int, new_tokens: int | None, n: int = 1) -> str | None:
         """Why a request of ``prompt`` tokens asking for ``new_tokens`` in ``n`` choices can
@@ -161,21 +195,25 @@ class Budget:
     def _choices_refusal(self, prompt: int, new_tokens: int, n: int) -> str | None:
         if prompt < 2:
             return f"n={n} choices need a prompt of at least 2 tokens (it has {prompt})"
-        need = self.need(*self.reservation(prompt + new_tokens, prompt, n), n)
-        if n > self.rows or any(k > c for k, c in zip(need, self.capacity, strict=True)):
-            return (f"n={n} choices of {prompt} + {new_tokens} tokens need {n} rows and "
-                    f"{max(need)} pages per layer, beyond the budget memory="
-                    f"{self.memory / 1e6:.2f} MB ({self.rows} rows, {max(self.capacity)} "
-                    "pages per layer)")
+        own, shared = self.reservation(prompt + new_tokens, prompt, n)
+        need = self.need(own, shared, n)
+        if (n > self.most_rows or n * own.slots > self.arena
+                or any(k > c for k, c in zip(need, self.capacity, strict=True))):
+            return (f"n={n} choices of {prompt} + {new_tokens} tokens need {n} rows, "
+                    f"{n * own.slots} float slots and {max(need)} pages per layer, beyond the "
+                    f"budget memory={self.memory / 1e6:.2f} MB ({self.most_rows} rows, "
+                    f"{self.arena} float slots and {max(self.capacity)} pages per layer)")
         return None
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Bytes (the planner's formula) and pages per window held at a request's longest."""
+    """Bytes (the planner's formula), pages per window and float slots (per layer) held at a
+    request's longest."""
 
     nbytes: float
     pages: tuple[int, ...]
+    slots: int
 
 
 def size_refusal(prompt: int, new_tokens: int | None, positions: int | None) -> str | None:

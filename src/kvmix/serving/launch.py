@@ -146,9 +146,10 @@ def fit_line(manager: Any, config: ServeConfig, memory: float) -> str:
     return (f"{config.method}: {budget.rows} requests of {config.fit_prompt} + "
             f"{config.max_tokens} tokens fit {memory / 1e9:.3g} GB at once "
             f"({budget.footprint(length) / 1e6:.2f} MB each by the planner's formula); the "
-            f"cache is allocated for them: float slots for {budget.rows} requests "
-            f"({budget.slots / 1e6:.2f} MB each, sink and residual in "
-            f"{str(budget.method.slot_dtype(budget.dtype)).removeprefix('torch.')}) and "
+            f"cache is allocated for them: an arena of {budget.arena} float slots per layer "
+            f"({budget.rows} requests' sinks and residuals, {budget.slots / 1e6:.2f} MB each, "
+            f"in {str(budget.method.slot_dtype(budget.dtype)).removeprefix('torch.')}; a "
+            f"shorter request takes fewer, so up to {budget.most_rows} run at once) and "
             f"{budget.capacity[-1]} pages per layer")
 
 

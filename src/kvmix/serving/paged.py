@@ -72,6 +72,7 @@ class Step:
     decode: torch.Tensor | None  # [B] position of every row's new token, in row order
     joins: list[tuple[int, int]]  # (start, length) of each admitted request's prompt
     ids: list[str]  # row -> request id, the joining rows last
+    extents: list[int]  # float slots of each admitted request's row
 
     def blame(self, fault: RowFault) -> RequestFault:
         """A layer refused some rows' tokens: the requests they belong to."""
@@ -132,11 +133,13 @@ class KVMixPagedCache(PagedAttentionCache):
         self.kv: KVMixCache = build_cache(model, method, backend, budget.rows, budget.span)
         self.budget = budget
         self.layers = self.kv.packed_layers
+        for layer in self.layers:  # rows by need: as many as the arena's extents allow
+            layer.max_batch, layer.max_slots = budget.most_rows, budget.arena
         self.cache_allocators = {_kind(w): _Group(i, _kind(w), w)
                                  for i, w in enumerate(budget.windows)}
         self.max_batch_tokens = budget.max_batch_tokens
         # the scheduler's bound on the tokens a forward's requests hold: never the binding one
-        self.max_tokens_read = budget.rows * budget.longest
+        self.max_tokens_read = budget.most_rows * budget.longest
         self.num_blocks = budget.rows  # transformers' config records it; no float blocks
         self.max_blocks_per_request = 0  # no flash block-table path
         self.max_decode_fast_path_length = 0
@@ -146,7 +149,7 @@ class KVMixPagedCache(PagedAttentionCache):
         self.pool = _NoSectors()
         self.reserved: dict[str, Family] = {}  # every admitted request (each choice) -> family
         self.pages_reserved = [0] * len(budget.windows)
-        self.rows_reserved = 0
+        self.rows_reserved = self.slots_reserved = 0
         self.rows: dict[str, int] = {}  # request id -> its row in every layer
         self.order: list[str] = []  # row -> request id
         self.peak_nbytes = 0
@@ -168,9 +171,10 @@ class KVMixPagedCache(PagedAttentionCache):
 
     def can_store_request_tokens(self, state: Any, request_len: int,
                                  dry_run: bool = False) -> bool:
-        """A running request always fits (it reserved the pages of its longest length); a new
-        one fits when its whole prompt is in this forward, a row is free for each of its
-        choices and their pages fit beside every running request's."""
+        """A running request always fits (it reserved the slots and pages of its longest
+        length); a new one fits when its whole prompt is in this forward, a row and an extent
+        of float slots are free for each of its choices and their pages fit beside every
+        running request's."""
         if state.request_id in self.reserved:
             return True
         n = 1 + state.num_children
@@ -179,18 +183,20 @@ class KVMixPagedCache(PagedAttentionCache):
         need = self.budget.need(own, shared, n)
         fits = (not self._waiting_refused
                 and request_len == len(state.remaining_prefill_tokens)  # never split a prompt
-                and self.rows_reserved + n <= self.budget.rows
+                and self.rows_reserved + n <= self.budget.most_rows
+                and self.slots_reserved + n * own.slots <= self.budget.arena
                 and all(used + k <= cap for used, k, cap in zip(
                     self.pages_reserved, need, self.budget.capacity, strict=True)))
         if fits and not dry_run:
             self.reserved[state.request_id] = Family(own, shared, {state.request_id}, n - 1)
-            self._hold(n, need)
+            self._hold(n, need, n * own.slots)
         self._waiting_refused |= not fits
         return fits
 
-    def _hold(self, rows: int, pages: list[int] | tuple[int, ...]) -> None:
-        """Reserve (or, negative, release) rows and pages per window."""
+    def _hold(self, rows: int, pages: list[int] | tuple[int, ...], slots: int) -> None:
+        """Reserve (or, negative, release) rows, pages per window and float slots."""
         self.rows_reserved += rows
+        self.slots_reserved += slots
         self.pages_reserved = [used + k for used, k in zip(self.pages_reserved, pages,
                                                             strict=True)]
 
@@ -203,9 +209,9 @@ class KVMixPagedCache(PagedAttentionCache):
             family.members.discard(request_id)
             gone = 1 + family.unborn  # the forks to come never come once the prompt's row goes
             family.unborn = 0
-            self._hold(-gone, [-gone * k for k in family.own.pages])
+            self._hold(-gone, [-gone * k for k in family.own.pages], -gone * family.own.slots)
             if not family.members:
-                self._hold(0, [-k for k in family.shared.pages])
+                self._hold(0, [-k for k in family.shared.pages], 0)
         row = self.rows.pop(request_id, None)
         if row is None:
             return
@@ -222,7 +228,7 @@ class KVMixPagedCache(PagedAttentionCache):
             layer.reset()
         self.reserved.clear()
         self.pages_reserved = [0] * len(self.pages_reserved)
-        self.rows_reserved = 0
+        self.rows_reserved = self.slots_reserved = 0
         self.rows.clear()
         self.order.clear()
         self._entries, self._step, self._before = [], None, None
@@ -363,7 +369,8 @@ class KVMixPagedCache(PagedAttentionCache):
             self.rows[request_id] = len(self.order)
             self.order.append(request_id)
         decode = self._positions.fill(positions, self.device) if positions else None
-        return Step(decode, [(at, length) for _, at, length in joins], list(self.order))
+        return Step(decode, [(at, length) for _, at, length in joins], list(self.order),
+                    [self.reserved[request_id].own.slots for request_id, _, _ in joins])
 
     # -- figures -------------------------------------------------------------------------------
 
@@ -380,7 +387,8 @@ class KVMixPagedCache(PagedAttentionCache):
                 "reserved_bytes": self.reserved_bytes() + self.budget.static,
                 "budget_bytes": self.budget.memory,
                 "kv_usage": 1 - self.compute_free_capacity(relative=True),
-                "room": self.room(), "rows": self.budget.rows}
+                "room": self.room(), "rows": self.budget.rows,
+                "slots_reserved": self.slots_reserved}
 
     def unreserved_pages(self) -> int:
         """Pages no admitted request will take, every layer (what a router weighs: pages
@@ -391,12 +399,13 @@ class KVMixPagedCache(PagedAttentionCache):
             spans, self.budget.capacity, self.pages_reserved, strict=True))
 
     def room(self) -> int:
-        """How many more requests of the length the budget is split for fit now (rows and
-        unreserved pages), as a router weighs replicas."""
+        """How many more requests of the length the budget is split for fit now (rows, float
+        slots and unreserved pages), as a router weighs replicas."""
         budget = self.budget
         pages = [(cap - used) // max(n, 1) for cap, used, n in zip(
             budget.capacity, self.pages_reserved, budget.pages(budget.length), strict=True)]
-        return max(min(budget.rows - self.rows_reserved, *pages), 0)
+        slots = (budget.arena - self.slots_reserved) // budget.extent(budget.length)
+        return max(min(budget.most_rows - self.rows_reserved, slots, *pages), 0)
 
 
 def _kind(window: int | None) -> str:
@@ -422,7 +431,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         spans = [slice(at, at + length) for at, length in step.joins]
         prompts = [tuple(x[:, :, span] for x in (query, keys, values)) for span in spans]
         try:
-            joined = layer.join(prompts, scaling)
+            joined = layer.join(prompts, scaling, step.extents)
         except RowFault as fault:
             raise step.blame(fault) from fault
         for span, o in zip(spans, joined, strict=True):
@@ -479,7 +488,7 @@ class KVMixManager(Served, ContinuousBatchingManager):
             length = min(512 + max_new_tokens, arch.max_positions or 1 << 30)
         self.budget = Budget(self.method, arch, model.dtype, memory, max_batch_tokens, length)
         config = ContinuousBatchingConfig(
-            max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.rows,
+            max_batch_tokens=max_batch_tokens, max_requests_per_batch=self.budget.most_rows,
             max_blocks_per_request=0, allow_block_sharing=False, use_async_batching=False,
             use_cuda_graph=False, cpu_offload_space=0.0, auto_switch_to_flash=False,
             return_logprobs=True)

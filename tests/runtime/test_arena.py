@@ -1,0 +1,136 @@
+"""Float slots in one arena per layer, each row an extent of the slots it may fill: rows of any
+extent, placed first fit in the gaps that leaving rows free and compacted when no gap fits,
+attend exactly as each would alone with a whole sink and residual, in the reference path and
+the fused op; a fixed arena never grows, and no row is let past its extent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import RESIDUAL, SINK, D, make, tokens
+
+from kvmix.runtime.store import RowFault
+
+SCALE = D**-0.5
+ARENA = 48
+
+
+def layer_of(backend: str, slots: int | None = None):
+    layer = make("kivi2", backend=backend, max_batch=8, max_tokens=160).layers[0]
+    layer.max_slots = slots
+    return layer
+
+
+def prompt(length: int, seed: int):
+    """One prompt as a join takes it: (queries, keys, values) [1, *, n, D]."""
+    keys, values, queries = tokens(1, length, seed, dtype=torch.float32)
+    return queries, keys, values
+
+
+class Driver:
+    """Requests by name through one layer: joins, decode steps (each request's token its own,
+    whatever its row), leaves; every output kept by request."""
+
+    def __init__(self, layer):
+        self.layer, self.order, self.outs, self.steps = layer, [], {}, {}
+
+    def join(self, requests: list[tuple[str, int, int | None]]) -> None:
+        """(name, prompt length, extent or None: a whole sink and residual) each."""
+        prompts = [prompt(n, hash(name) % 1000) for name, n, _ in requests]
+        extents = [e if e is not None else SINK + RESIDUAL for _, _, e in requests]
+        outs = self.layer.join(prompts, SCALE, extents)
+        self.layer.commit()
+        for (name, _, _), out in zip(requests, outs, strict=True):
+            self.order.append(name)
+            self.outs[name], self.steps[name] = [out], 0
+
+    def decode(self) -> None:
+        rows = [tokens(1, 1, 1000 + 50 * ord(name) + self.steps[name], dtype=torch.float32)
+                for name in self.order]
+        keys, values, queries = (torch.cat(x) for x in zip(*rows, strict=True))
+        out = self.layer.decode(queries, keys, values, SCALE)
+        self.layer.commit()
+        for b, name in enumerate(self.order):
+            self.outs[name].append(out[b : b + 1])
+            self.steps[name] += 1
+
+    def leave(self, name: str) -> None:
+        b = self.order.index(name)
+        self.layer.leave(b)
+        self.order[b] = self.order[-1]
+        self.order.pop()
+
+
+def extents_apart(store) -> bool:
+    """Every row's extent lies in the arena and no two overlap."""
+    spans = sorted(zip(store.offset, store.capacity, strict=True))
+    ends = [at + size for at, size in spans]
+    return all(end <= at for end, (at, _) in zip(ends, spans[1:], strict=False)) and (
+        not ends or ends[-1] <= store.slot_capacity)
+
+
+def shared_run(backend: str) -> dict[str, list[torch.Tensor]]:
+    """A fixed arena of 48 slots: a (30 tokens, whole extent 20), b (5 + 3, extent 9) and c
+    (8 + 7, extent 16) join; b leaves and d (3 + 4, extent 7) takes its gap; e (3 + 2, extent
+    5) fits no gap (2 and 3 slots) and the rows are compacted, filling all 48."""
+    layer = layer_of(backend, ARENA)
+    run = Driver(layer)
+    store = layer.store
+    run.join([("a", 30, None), ("b", 5, 9), ("c", 8, 16)])
+    for _ in range(3):
+        run.decode()
+    run.leave("b")
+    run.join([("d", 3, 7)])
+    assert store.offset[run.order.index("d")] == 20  # b's gap, first fit
+    for _ in range(2):
+        run.decode()
+    run.join([("e", 3, 5)])
+    assert sum(store.capacity) == store.slot_capacity == ARENA and extents_apart(store)
+    for _ in range(2):
+        run.decode()
+    return run.outs
+
+
+def solo_run(backend: str, name: str, length: int, steps: int) -> list[torch.Tensor]:
+    """One request alone in a growing arena, with a whole sink and residual."""
+    run = Driver(layer_of(backend))
+    run.join([(name, length, None)])
+    for _ in range(steps):
+        run.decode()
+    return run.outs[name]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_rows_of_any_extent_attend_as_each_would_alone(backend):
+    shared = shared_run(backend)
+    for name, length in (("a", 30), ("b", 5), ("c", 8), ("d", 3), ("e", 3)):
+        alone = solo_run(backend, name, length, len(shared[name]) - 1)
+        for step, (x, y) in enumerate(zip(shared[name], alone, strict=True)):
+            assert torch.allclose(x, y, atol=1e-6, rtol=1e-5), (name, step)
+
+
+def test_a_fixed_arena_refuses_a_row_beyond_it_before_any_change():
+    layer = layer_of("cpu", 30)
+    run = Driver(layer)
+    run.join([("a", 6, 20), ("b", 4, 8)])
+    store = layer.store
+    with pytest.raises(ValueError, match=r"float slots are full: 28 of 30 slots in use and 3"):
+        store.add_rows(1, [3])
+    assert store.batch == 2 and store.slot_capacity == 30 and extents_apart(store)
+
+
+def test_a_row_is_never_let_past_its_extent():
+    """A row of 3 + 2 tokens' extent decodes twice; its third token is refused (naming its
+    row) before any row changes, and a prompt longer than its extent is refused at join."""
+    layer = layer_of("cpu", ARENA)
+    run = Driver(layer)
+    run.join([("a", 6, None), ("b", 3, 5)])
+    run.decode()
+    run.decode()
+    store = layer.store
+    before = (list(store.sink_len), list(store.res_len))
+    with pytest.raises(RowFault, match="row 1 has float slots for 5 tokens") as fault:
+        run.decode()
+    assert fault.value.rows == [1] and (store.sink_len, store.res_len) == before
+    with pytest.raises(RowFault, match="has float slots for 4 tokens"):
+        layer.join([prompt(9, 3)], SCALE, [4])
