@@ -134,3 +134,32 @@ def test_a_row_is_never_let_past_its_extent():
     assert fault.value.rows == [1] and (store.sink_len, store.res_len) == before
     with pytest.raises(RowFault, match="has float slots for 4 tokens"):
         layer.join([prompt(9, 3)], SCALE, [4])
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_a_resplit_moves_pages_and_slots_and_every_row_reads_the_same(backend):
+    """Rows holding pages; the first leaves, freeing the lowest page ids. One of two twin
+    layers then gets a pool of just the pages in use and five more (those beyond move below,
+    the block table renumbered) and an arena of just the rows' extents; every later step
+    attends exactly as in the untouched twin."""
+    twins = [Driver(layer_of(backend)), Driver(layer_of(backend))]
+    for run in twins:
+        run.join([("a", 60, None), ("b", 33, None), ("c", 26, None)])
+        run.decode()
+        run.leave("a")
+    layer = twins[1].layer
+    used, highest = layer.pool.used, max(max(pages) for pages in layer.store.pages)
+    moved = layer.pool.resize(used + 5)
+    layer.store.renumber(moved)
+    layer.store.resize_slots(sum(layer.store.capacity))
+    assert highest >= used + 5 and moved and layer.pool.capacity == used + 5
+    assert all(page < used + 5 for pages in layer.store.pages for page in pages)
+    assert layer.store.slot_capacity == 2 * (SINK + RESIDUAL) and extents_apart(layer.store)
+    for run in twins:
+        for _ in range(10):
+            run.decode()
+    for name in ("b", "c"):
+        assert all(torch.equal(x, y) for x, y in zip(twins[0].outs[name], twins[1].outs[name],
+                                                     strict=True)), name
+    with pytest.raises(ValueError, match="below the"):
+        layer.pool.resize(layer.pool.used - 1)

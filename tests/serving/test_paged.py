@@ -139,28 +139,34 @@ def test_the_budget_prices_float_slots_at_the_bytes_the_cache_allocates(model):
     assert rows["float16"] > rows["float32"]
 
 
-def test_short_requests_take_only_the_float_slots_they_can_fill(model, monkeypatch):
-    """A budget split for one request of 110 tokens holds one whole sink and residual per
-    layer (20 slots). Requests of 5 + 4 tokens can fill 9 slots each, so two run at once in
-    that same arena (a split by whole rows ran one), each giving its solo run's tokens; the
-    arena never grows and nothing stays reserved."""
+def test_the_split_follows_the_load(model, monkeypatch):
+    """A budget split at start-up for one request of 110 tokens: one whole sink and residual
+    (20 slots) per layer, the rest pages. Requests of 5 + 4 tokens can fill 9 slots each and
+    seal no page, so the cache splits the bytes anew and all four run at once; requests of
+    70 + 40 tokens then need pages, and the bytes go back. Each request gives its solo run's
+    tokens, and the storage never exceeds the budget."""
     method = method_string("kivi2")
-    manager = KVMixManager(model, method, budget_for(model, method, 1.2, 110),
-                           max_new_tokens=NEW, length=110)
+    memory = budget_for(model, method, 1.2, 110)
+    manager = KVMixManager(model, method, memory, max_new_tokens=NEW, length=110)
     budget = manager.budget
     assert budget.rows == 1 and budget.arena == SINK + RESIDUAL
     steps, caches = watch_steps(monkeypatch), []
     plan = KVMixPagedCache._plan
     monkeypatch.setattr(KVMixPagedCache, "_plan", lambda c: caches.append(c) or plan(c))
-    short = prompts((5, 5, 5, 5), seed=9)
-    results = run_requests(manager, [{"input_ids": p, "request_id": str(i), "max_new_tokens": 4}
-                                     for i, p in enumerate(short)])
-    assert max(rows for rows, *_ in steps) == 2
+    short, long = prompts((5, 5, 5, 5), seed=9), prompts((70, 60), seed=10)
+    results = run_requests(manager, [
+        *({"input_ids": p, "request_id": f"s{i}", "max_new_tokens": 4}
+          for i, p in enumerate(short)),
+        *({"input_ids": p, "request_id": f"l{i}"} for i, p in enumerate(long))])
+    assert max(rows for rows, *_ in steps) == 4
     for i, p in enumerate(short):
-        assert results[str(i)].generated_tokens == alone(model, method, p)[:4], i
+        assert results[f"s{i}"].generated_tokens == alone(model, method, p)[:4], i
+    for i, p in enumerate(long):
+        assert results[f"l{i}"].generated_tokens == alone(model, method, p), i
     cache = caches[-1]
-    assert {layer.store.slot_capacity for layer in cache.layers} == {budget.arena}
-    assert cache.slots_reserved == 0 and not cache.reserved
+    assert cache.splits >= 2 and cache.slots_reserved == 0 and not cache.reserved
+    assert all(held <= reserved for _, reserved, held, _ in steps)
+    assert max(kept for *_, kept in steps) <= memory - budget.static
 
 
 def test_a_sliding_window_model_serves_each_request_as_alone():

@@ -7,7 +7,8 @@ kernel call can read through a block table. A sealed page is never written again
 that share a prefix (beams) share its pages through reference counts. The pool grows by
 doubling (one copy per doubling, amortised O(1) per page, never a re-concatenation of a
 history) or is sized up front (``max_pages``); a write beyond a fixed pool is refused before
-anything changes.
+anything changes. A fixed pool can be resized (``resize``: a server's split of its budget
+following the load), pages in use beyond the new size moving below it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,37 @@ class PagePool:
         for page in ids:
             self.refs[page] = 1
         return ids
+
+    def resize(self, capacity: int) -> dict[int, int]:
+        """Hold ``capacity`` pages from now on (a fixed pool: a server's split of its budget
+        moved): pages in use beyond it move to free ids below it, their bytes copied ->
+        {old id: new id} of the moved pages, for their holders to renumber."""
+        if capacity < self.used:
+            raise ValueError(f"capacity={capacity} is below the {self.used} pages in use")
+        self.max_pages = capacity
+        if self.pages is None:
+            return {}
+        low = sorted(i for i in self.free if i < capacity)
+        moved = dict(zip((i for i in range(capacity, self.capacity) if self.refs[i]), low,
+                         strict=False))
+        device = _device(self.pages)
+        old = torch.tensor(list(moved), dtype=torch.long, device=device)
+        new = torch.tensor(list(moved.values()), dtype=torch.long, device=device)
+        refs = self.refs[:capacity] + [0] * max(capacity - self.capacity, 0)
+        for source, target in moved.items():
+            refs[target] = self.refs[source]
+
+        def resized(t: torch.Tensor) -> torch.Tensor:
+            t.index_copy_(0, new, t.index_select(0, old))
+            kept = t.new_empty((capacity, *t.shape[1:]))
+            kept[: min(capacity, len(t))] = t[:capacity]
+            return kept
+
+        self.pages = map_tensors(self.pages, resized)
+        self.refs = refs
+        self.free = [i for i in range(capacity - 1, -1, -1) if refs[i] == 0]
+        self.version += 1
+        return moved
 
     # -- reading -------------------------------------------------------------------------------
 

@@ -157,6 +157,23 @@ class BatchStore:
             self._rebuild(list(range(self.batch)), slots)
         self.fixed = fixed
 
+    def resize_slots(self, slots: int) -> None:
+        """A fixed arena of exactly ``slots`` slots from now on (at least the rows' extents),
+        the rows compacted into it."""
+        if slots < sum(self.capacity):
+            raise ValueError(f"slots={slots} is below the {sum(self.capacity)} slots the rows "
+                             f"hold (layer {self.layer})")
+        if self.keys is not None:
+            self._rebuild(list(range(self.batch)), slots)
+        self.fixed = True
+
+    def renumber(self, moved: dict[int, int]) -> None:
+        """The pool moved pages (``PagePool.resize``: {old id: new id}): the block table
+        follows."""
+        if moved:
+            self.pages = [[moved.get(page, page) for page in pages] for pages in self.pages]
+            self.table_version += 1
+
     def remove_row(self, b: int) -> int:
         """Row ``b`` leaves (a request ended): its pages go back to the pool, its extent is
         free, and the last row takes its index (no slot is copied) -> the index the moved row

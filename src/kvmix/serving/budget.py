@@ -1,28 +1,30 @@
-"""Admission by bytes (SPEC §11): the cache's storage sized once from the budget, and what one
+"""Admission by bytes (SPEC §11): how the cache's storage splits the budget, and what one
 request reserves of it.
 
-The budget is split once, for requests of ``length`` tokens: ``rows`` requests of that length
-fit it by the planner's formula (pages at the method's bits, selection, float slots for the
-tokens the request can hold: its sink and residual, or fewer when it is shorter), and every
+At start-up the budget is split for requests of ``length`` tokens: ``rows`` requests of that
+length fit it by the planner's formula (pages at the method's bits, selection, float slots for
+the tokens the request can hold: its sink and residual, or fewer when it is shorter), and every
 layer gets a float slot arena of ``arena`` slots (``rows`` such requests' extents) and a pool
 of the pages ``rows`` requests of ``span`` tokens hold (``span`` >= ``length``: what the budget
-leaves for pages once the rows are capped). That storage is allocated when first used and
-never grows, so the cache never holds more than ``memory``.
+leaves for pages once the rows are capped). Arena and pools are fixed tensors, and together
+with the requests' selections they never hold more than ``memory``.
 
 The policy is a full reservation by need: a request is admitted when its float slots (an extent
 of ``extent(prompt + max_new_tokens)`` slots per choice: a short request takes less than a
-whole sink and residual) fit the arena and the pages it will hold at ``prompt +
-max_new_tokens`` tokens fit the pool, beside every running request's, in every layer, and
-keeps them until it ends. Short requests therefore run more at once than ``rows``, up to
-``most_rows``. A running request therefore never lacks a page, so
-nothing is evicted, offloaded or re-prefilled (a re-prefill would change a PN-Mix selection,
-and the output would no longer be what ``generate`` gives the prompt alone). Requests longer
-than ``length`` run fewer at once, shorter ones are bounded by the rows.
+whole sink and residual), the pages it will hold at ``prompt + max_new_tokens`` tokens and its
+selection fit beside every running request's, and keeps them until it ends. A running request
+therefore never lacks a slot or a page, so nothing is evicted, offloaded or re-prefilled (a
+re-prefill would change a PN-Mix selection, and the output would no longer be what
+``generate`` gives the prompt alone). When a request fits the budget's bytes but not the split
+(short requests after long ones, or the reverse), the cache splits the bytes anew in the
+proportions the reservations have (``split_bytes``): the split follows the load, and short
+requests run more at once than ``rows``, up to ``most_rows``; longer ones run fewer.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,7 +32,7 @@ import torch
 from kvmix.evaluation.planner import kv_bytes
 from kvmix.methods import Method
 from kvmix.models.catalog import SLIDING, Architecture, from_config
-from kvmix.runtime.accounting import layout, segment_bytes
+from kvmix.runtime.accounting import layout, page_bytes, segment_bytes
 from kvmix.runtime.cache import max_pages
 
 MOST_ROWS = 1024  # transformers' own cap on the requests of one batch
@@ -47,7 +49,7 @@ class Budget:
     memory: float  # bytes of KV cache, the method's static tensors included
     max_batch_tokens: int  # tokens of one forward: running requests' new tokens and prompts
     length: int  # tokens of the request the storage is split for
-    _footprints: dict[int, float] = field(default_factory=dict, repr=False)
+    _footprints: dict[int, dict[str, float]] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         for name in ("max_batch_tokens", "length"):
@@ -78,6 +80,25 @@ class Budget:
         """The most float slots a request holds: the method's sink and residual."""
         return self.method.sink + self.method.residual
 
+    @functools.cached_property
+    def page_bytes(self) -> list[float]:
+        """Bytes of one page id in every layer of each window's kind (``windows``)."""
+        spec = self.arch.spec()
+        return [sum(page_bytes(self.method, spec, i, self.dtype)
+                    for i, kind in enumerate(self.arch.layer_types)
+                    if (kind == SLIDING) == (w is not None)) for w in self.windows]
+
+    def split_bytes(self, slots: int, pages: Sequence[int]) -> float:
+        """Bytes of every layer's arena of ``slots`` slots and pools of ``pages`` pages (per
+        window)."""
+        return slots * self.slot_bytes + sum(
+            n * size for n, size in zip(pages, self.page_bytes, strict=True))
+
+    @property
+    def room(self) -> float:
+        """Bytes for requests: the budget less the method's static tensors."""
+        return self.memory - self.static
+
     def extent(self, tokens: int) -> int:
         """Float slots a request of at most ``tokens`` tokens holds at most (per layer)."""
         return min(tokens, self.row_slots)
@@ -90,12 +111,16 @@ class Budget:
     def footprint(self, tokens: int) -> float:
         """Bytes one request holds at ``tokens`` tokens, the planner's formula, its float slots
         priced at its extent (the slots it may fill, not a whole sink and residual)."""
+        parts = self._parts(tokens)
+        unused = (self.row_slots - self.extent(tokens)) * self.slot_bytes
+        return sum(parts.values()) - parts["static"] - unused
+
+    def _parts(self, tokens: int) -> dict[str, float]:
+        """The planner's formula for one request of ``tokens`` tokens, by segment."""
         if tokens not in self._footprints:
             if len(self._footprints) >= FOOTPRINTS:  # a bounded memo, whatever clients ask
                 self._footprints.clear()
-            parts = kv_bytes(self.method, self.arch, 1, tokens, self.dtype)
-            unused = (self.row_slots - self.extent(tokens)) * self.slot_bytes
-            self._footprints[tokens] = sum(parts.values()) - parts["static"] - unused
+            self._footprints[tokens] = kv_bytes(self.method, self.arch, 1, tokens, self.dtype)
         return self._footprints[tokens]
 
     def fits(self, tokens: int) -> int:
@@ -135,24 +160,30 @@ class Budget:
         With n > 1 the prompt less its last token is prefilled once and its sealed pages are
         shared by every choice (full-attention layers: a sliding window releases them);
         one choice shares nothing."""
+        selection = self._parts(tokens)["selection"]
         whole = Reservation(self.footprint(tokens), tuple(self.pages(tokens)),
-                            self.extent(tokens))
+                            self.extent(tokens), selection)
         if n == 1:
-            return whole, Reservation(0.0, (0,) * len(self.windows), 0)
+            return whole, Reservation(0.0, (0,) * len(self.windows), 0, 0.0)
         held = layout(self.method, prompt - 1)
         spec = self.arch.spec()
         shared = Reservation(
             sum(segment_bytes(self.method, spec, i, held, self.dtype)["blocks"]
                 for i, kind in enumerate(self.arch.layer_types) if kind != SLIDING),
-            tuple(held.blocks if w is None else 0 for w in self.windows), 0)
+            tuple(held.blocks if w is None else 0 for w in self.windows), 0, 0.0)
         own = Reservation(whole.nbytes - shared.nbytes,
                           tuple(w - s for w, s in zip(whole.pages, shared.pages, strict=True)),
-                          whole.slots)
+                          whole.slots, whole.selection)
         return own, shared
 
     def need(self, own: Reservation, shared: Reservation, n: int) -> list[int]:
         """Pages per window ``n`` choices hold together."""
         return [n * o + s for o, s in zip(own.pages, shared.pages, strict=True)]
+
+    def held_bytes(self, own: Reservation, shared: Reservation, n: int) -> float:
+        """What ``n`` choices hold of the storage: their extents and pages in a split, and
+        their selections."""
+        return self.split_bytes(n * own.slots, self.need(own, shared, n)) + n * own.selection
 
     @functools.cached_property
     def span(self) -> int:
@@ -167,11 +198,10 @@ class Budget:
 
     @functools.cached_property
     def longest(self) -> int:
-        """The most tokens one request can reach: the model's positions, or what the pools
-        hold for it alone."""
-        return _last(1, self.arch.max_positions or 1 << 24, lambda t: self.extent(t) <=
-                     self.arena and all(n <= c for n, c in zip(self.pages(t), self.capacity,
-                                                               strict=True)))
+        """The most tokens one request can reach: the model's positions, or what the whole
+        budget holds for it alone (split for it)."""
+        return _last(1, self.arch.max_positions or 1 << 24, lambda t: self.held_bytes(
+            *self.reservation(t, t), 1) <= self.room)
 
     def refusal(self, prompt: int, new_tokens: int | None, n: int = 1) -> str | None:
         """Why a request of ``prompt`` tokens asking for ``new_tokens`` in ``n`` choices can
@@ -186,8 +216,8 @@ class Budget:
         if prompt + new_tokens > self.longest:
             return (f"the request needs {self.footprint(prompt + new_tokens) / 1e6:.2f} MB of "
                     f"cache at {prompt + new_tokens} tokens, beyond the budget memory="
-                    f"{self.memory / 1e6:.2f} MB (split for {self.rows} requests of "
-                    f"{self.span} tokens: at most {self.longest} tokens for one)")
+                    f"{self.memory / 1e6:.2f} MB (at most {self.longest} tokens for one request "
+                    "alone)")
         if n > 1:
             return self._choices_refusal(prompt, new_tokens, n)
         return None
@@ -196,24 +226,24 @@ class Budget:
         if prompt < 2:
             return f"n={n} choices need a prompt of at least 2 tokens (it has {prompt})"
         own, shared = self.reservation(prompt + new_tokens, prompt, n)
-        need = self.need(own, shared, n)
-        if (n > self.most_rows or n * own.slots > self.arena
-                or any(k > c for k, c in zip(need, self.capacity, strict=True))):
-            return (f"n={n} choices of {prompt} + {new_tokens} tokens need {n} rows, "
-                    f"{n * own.slots} float slots and {max(need)} pages per layer, beyond the "
+        held = self.held_bytes(own, shared, n)
+        if n > self.most_rows or held > self.room:
+            return (f"n={n} choices of {prompt} + {new_tokens} tokens need {n} rows and "
+                    f"{held / 1e6:.2f} MB of float slots, pages and selections, beyond the "
                     f"budget memory={self.memory / 1e6:.2f} MB ({self.most_rows} rows, "
-                    f"{self.arena} float slots and {max(self.capacity)} pages per layer)")
+                    f"{self.room / 1e6:.2f} MB for requests)")
         return None
 
 
 @dataclass(frozen=True)
 class Reservation:
-    """Bytes (the planner's formula), pages per window and float slots (per layer) held at a
-    request's longest."""
+    """Bytes (the planner's formula), pages per window, float slots (per layer) and selection
+    bytes held at a request's longest."""
 
     nbytes: float
     pages: tuple[int, ...]
     slots: int
+    selection: float
 
 
 def size_refusal(prompt: int, new_tokens: int | None, positions: int | None) -> str | None:

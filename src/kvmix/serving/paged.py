@@ -150,6 +150,9 @@ class KVMixPagedCache(PagedAttentionCache):
         self.reserved: dict[str, Family] = {}  # every admitted request (each choice) -> family
         self.pages_reserved = [0] * len(budget.windows)
         self.rows_reserved = self.slots_reserved = 0
+        self.selection_reserved = 0.0
+        self.arena, self.pools = budget.arena, list(budget.capacity)  # the split now
+        self.splits = 0  # times the split followed the load
         self.rows: dict[str, int] = {}  # request id -> its row in every layer
         self.order: list[str] = []  # row -> request id
         self.peak_nbytes = 0
@@ -184,19 +187,50 @@ class KVMixPagedCache(PagedAttentionCache):
         fits = (not self._waiting_refused
                 and request_len == len(state.remaining_prefill_tokens)  # never split a prompt
                 and self.rows_reserved + n <= self.budget.most_rows
-                and self.slots_reserved + n * own.slots <= self.budget.arena
-                and all(used + k <= cap for used, k, cap in zip(
-                    self.pages_reserved, need, self.budget.capacity, strict=True)))
+                and self._room_for(n * own.slots, need, n * own.selection, dry_run))
         if fits and not dry_run:
             self.reserved[state.request_id] = Family(own, shared, {state.request_id}, n - 1)
-            self._hold(n, need, n * own.slots)
+            self._hold(n, need, n * own.slots, n * own.selection)
         self._waiting_refused |= not fits
         return fits
 
-    def _hold(self, rows: int, pages: list[int] | tuple[int, ...], slots: int) -> None:
-        """Reserve (or, negative, release) rows, pages per window and float slots."""
+    def _room_for(self, slots: int, pages: list[int], selection: float, dry_run: bool) -> bool:
+        """Whether ``slots``, ``pages`` per window and ``selection`` bytes more fit beside
+        every running request's: in the arena and pools as split now, or, when their bytes fit
+        the budget, once it is split anew (``_resplit``; not on a dry run)."""
+        budget = self.budget
+        arena = self.slots_reserved + slots
+        pools = [used + k for used, k in zip(self.pages_reserved, pages, strict=True)]
+        room = budget.room - self.selection_reserved - selection  # for arena and pools
+        if budget.split_bytes(arena, pools) > room:
+            return False
+        if (arena > self.arena or any(p > c for p, c in zip(pools, self.pools, strict=True))
+                or budget.split_bytes(self.arena, self.pools) > room) and not dry_run:
+            self._resplit(arena, pools, room)
+        return True
+
+    def _resplit(self, slots: int, pages: list[int], room: float) -> None:
+        """Split ``room`` bytes anew between every layer's arena and pools: ``slots`` and
+        ``pages`` per window (what the requests reserve) scaled by the same factor, so the
+        bytes left over follow the proportions the load has. Rows are compacted into the new
+        arenas and pages in use renumbered into the new pools."""
+        budget = self.budget
+        scale = room / budget.split_bytes(slots, pages)
+        self.arena, self.pools = int(slots * scale), [int(p * scale) for p in pages]
+        for layer in self.layers:
+            window = budget.windows.index(layer.sliding_window)
+            layer.max_slots, layer.max_pages = self.arena, self.pools[window]  # and at a reset
+            layer.store.resize_slots(self.arena)
+            layer.store.renumber(layer.pool.resize(self.pools[window]))
+        self.splits += 1
+
+    def _hold(self, rows: int, pages: list[int] | tuple[int, ...], slots: int,
+              selection: float) -> None:
+        """Reserve (or, negative, release) rows, pages per window, float slots and selection
+        bytes."""
         self.rows_reserved += rows
         self.slots_reserved += slots
+        self.selection_reserved += selection
         self.pages_reserved = [used + k for used, k in zip(self.pages_reserved, pages,
                                                             strict=True)]
 
@@ -209,9 +243,11 @@ class KVMixPagedCache(PagedAttentionCache):
             family.members.discard(request_id)
             gone = 1 + family.unborn  # the forks to come never come once the prompt's row goes
             family.unborn = 0
-            self._hold(-gone, [-gone * k for k in family.own.pages], -gone * family.own.slots)
+            own = family.own
+            self._hold(-gone, [-gone * k for k in own.pages], -gone * own.slots,
+                       -gone * own.selection)
             if not family.members:
-                self._hold(0, [-k for k in family.shared.pages], 0)
+                self._hold(0, [-k for k in family.shared.pages], 0, 0.0)
         row = self.rows.pop(request_id, None)
         if row is None:
             return
@@ -229,6 +265,7 @@ class KVMixPagedCache(PagedAttentionCache):
         self.reserved.clear()
         self.pages_reserved = [0] * len(self.pages_reserved)
         self.rows_reserved = self.slots_reserved = 0
+        self.selection_reserved = 0.0
         self.rows.clear()
         self.order.clear()
         self._entries, self._step, self._before = [], None, None
@@ -388,7 +425,7 @@ class KVMixPagedCache(PagedAttentionCache):
                 "budget_bytes": self.budget.memory,
                 "kv_usage": 1 - self.compute_free_capacity(relative=True),
                 "room": self.room(), "rows": self.budget.rows,
-                "slots_reserved": self.slots_reserved}
+                "slots_reserved": self.slots_reserved, "splits": self.splits}
 
     def unreserved_pages(self) -> int:
         """Pages no admitted request will take, every layer (what a router weighs: pages
@@ -396,16 +433,16 @@ class KVMixPagedCache(PagedAttentionCache):
         spans = [sum(1 for layer in self.layers if layer.sliding_window == w)
                  for w in self.budget.windows]
         return sum(n * (cap - used) for n, cap, used in zip(
-            spans, self.budget.capacity, self.pages_reserved, strict=True))
+            spans, self.pools, self.pages_reserved, strict=True))
 
     def room(self) -> int:
-        """How many more requests of the length the budget is split for fit now (rows, float
-        slots and unreserved pages), as a router weighs replicas."""
+        """How many more requests of the length the budget was split for fit now (rows, and
+        the bytes no running request reserves), as a router weighs replicas."""
         budget = self.budget
-        pages = [(cap - used) // max(n, 1) for cap, used, n in zip(
-            budget.capacity, self.pages_reserved, budget.pages(budget.length), strict=True)]
-        slots = (budget.arena - self.slots_reserved) // budget.extent(budget.length)
-        return max(min(budget.most_rows - self.rows_reserved, slots, *pages), 0)
+        free = budget.room - self.selection_reserved - budget.split_bytes(
+            self.slots_reserved, self.pages_reserved)
+        each = budget.held_bytes(*budget.reservation(budget.length, budget.length), 1)
+        return max(min(budget.most_rows - self.rows_reserved, int(free // each)), 0)
 
 
 def _kind(window: int | None) -> str:
