@@ -71,13 +71,13 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def served(cluster, model_folder):
-    """(url, config): two replicas, one per node, each a budget of nine requests of 88 tokens
-    (99 pages a layer: one request of 800 tokens takes 98)."""
+    """(url, config): two replicas, one per node, each a budget of four requests of 88 tokens
+    (150 KB: one request of 800 tokens leaves less than one of 88 needs)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = ServeConfig(model=model_folder, method=METHOD, memory="300KB", fit_prompt=64,
+    config = ServeConfig(model=model_folder, method=METHOD, memory="150KB", fit_prompt=64,
                          max_tokens=24, port=port)
     # the key only in the driver's environment, while the app is bound: the nodes' raylets,
     # started before, never had it
@@ -155,7 +155,7 @@ def test_the_key_guards_every_replica_on_every_node(served):
 
 
 def test_requests_go_where_their_pages_fit_and_wait_when_none_has_room(served):
-    """A long request reserves most of one replica's pages (its room drops to 0 while it
+    """A long request reserves most of one replica's bytes (its room drops to 0 while it
     holds one request): the next requests go to the other replica; with no room left
     anywhere, one more waits and is answered, not refused."""
     url, _ = served

@@ -358,7 +358,8 @@ MALFORMED = [
     ("/v1/completions", ["a"], "JSON object"),
     ("/v1/completions", {"prompt": " ".join(["word"] * 1100), "max_tokens": 8},
      "1024 positions"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 1000}, "beyond the budget memory="),
+    ("/v1/completions", {"prompt": "a b", "max_tokens": 1000, "n": 4, "temperature": 1},
+     "beyond the budget memory="),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "a"}]}, "role"),
     ("/v1/chat/completions", {"messages": [{"content": "a"}]}, "role"),
@@ -732,7 +733,7 @@ def test_kv_usage_counts_what_running_requests_reserve(served, client):
         assert usage == pytest.approx(
             manager.cache.reserved_bytes() / (budget.memory - budget.static), rel=1e-6)
         figures = manager.cache.figures()  # a router weighs the pages no request reserved
-        capacity = budget.capacity[0] * len(manager.cache.layers)
+        capacity = manager.cache.pools[0] * len(manager.cache.layers)
         assert figures["pages_unreserved"] == capacity - manager.cache.pages_reserved[0] * len(
             manager.cache.layers) < capacity - figures["pages_used"]
 

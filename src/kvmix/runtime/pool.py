@@ -139,7 +139,7 @@ class PagePool:
         """Bytes by kind (codes, scales, zeros, masks, full) for pages in use, and ``free`` for
         capacity held but not in use; together every byte of the pool's storages."""
         total: Counter = Counter()
-        if self.pages is None:
+        if self.pages is None or not self.capacity:  # none allocated, or resized to none
             return total
         for kind, t in tagged_tensors(self.pages, "full"):
             per_page = storage_bytes(t) // self.capacity
