@@ -248,8 +248,8 @@ class KVMixLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(prompts[0][1][:0], prompts[0][2][:0])
             if self.max_batch is not None:  # a cache sized up front: every row's slots now
-                self.store.reserve_slots(self.max_slots or self.max_batch * self.store.row_slots,
-                                         fixed=self.max_slots is not None)
+                self.store.resize_slots(self.max_slots or self.max_batch * self.store.row_slots,
+                                        fixed=self.max_slots is not None)
         self._check_batch(first + len(prompts))
         prompts = [(q, stored(k, self.method), stored(v, self.method)) for q, k, v in prompts]
         self._stage()

@@ -99,9 +99,7 @@ class PagePool:
 
         def resized(t: torch.Tensor) -> torch.Tensor:
             t.index_copy_(0, new, t.index_select(0, old))
-            kept = t.new_empty((capacity, *t.shape[1:]))
-            kept[: min(capacity, len(t))] = t[:capacity]
-            return kept
+            return _sized(t, capacity)
 
         self.pages = map_tensors(self.pages, resized)
         self.refs = refs
@@ -160,16 +158,17 @@ class PagePool:
 
     def _grow(self, capacity: int) -> None:
         old = self.capacity
-
-        def grown(t: torch.Tensor) -> torch.Tensor:
-            bigger = t.new_empty((capacity, *t.shape[1:]))
-            bigger[:old] = t
-            return bigger
-
-        self.pages = map_tensors(self.pages, grown)
+        self.pages = map_tensors(self.pages, lambda t: _sized(t, capacity))
         self.refs += [0] * (capacity - old)
         self.free = sorted([*self.free, *range(old, capacity)], reverse=True)
         self.version += 1
+
+
+def _sized(t: torch.Tensor, capacity: int) -> torch.Tensor:
+    """A new tensor of ``capacity`` rows holding ``t``'s first rows (as many as fit)."""
+    sized = t.new_empty((capacity, *t.shape[1:]))
+    sized[: min(capacity, len(t))] = t[:capacity]
+    return sized
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -68,10 +68,12 @@ class Placement:
 class Sealing:
     """What a decode step's commit changes in one store (``BatchStore.sealing``): every row's
     selection after the step, the rows whose residual is full and their oldest groups encoded
-    (the method's state of one page each; None when no row is full)."""
+    (the method's state of one page each) with the arena positions of their residuals
+    ([n, residual]); None when no row is full."""
 
     selections: list[Any]
     full: list[int]
+    residuals: torch.Tensor | None
     blocks: Blocks | None
 
 
@@ -150,22 +152,15 @@ class BatchStore:
         self.held += [[] for _ in range(count)]
         self._changed()
 
-    def reserve_slots(self, slots: int, fixed: bool = False) -> None:
-        """An arena of at least ``slots`` slots (the rows in use copied over); ``fixed``: it
-        never grows (``add_rows`` beyond it is refused)."""
-        if slots > self.slot_capacity:
-            self._rebuild(list(range(self.batch)), slots)
-        self.fixed = fixed
-
-    def resize_slots(self, slots: int) -> None:
-        """A fixed arena of exactly ``slots`` slots from now on (at least the rows' extents),
-        the rows compacted into it."""
+    def resize_slots(self, slots: int, fixed: bool = True) -> None:
+        """An arena of exactly ``slots`` slots (at least the rows' extents), the rows compacted
+        into it; ``fixed``: it never grows (``add_rows`` beyond it is refused)."""
         if slots < sum(self.capacity):
             raise ValueError(f"slots={slots} is below the {sum(self.capacity)} slots the rows "
                              f"hold (layer {self.layer})")
         if self.keys is not None:
             self._rebuild(list(range(self.batch)), slots)
-        self.fixed = True
+        self.fixed = fixed
 
     def renumber(self, moved: dict[int, int]) -> None:
         """The pool moved pages (``PagePool.resize``: {old id: new id}): the block table
@@ -239,8 +234,9 @@ class BatchStore:
         if self.fixed and need > self.slot_capacity:
             raise ValueError(f"the float slots are full: {used} of {self.slot_capacity} slots "
                              f"in use and {sum(sizes)} more needed (layer {self.layer})")
-        grown = need if need <= self.slot_capacity else max(need, self.slot_capacity * 5 // 4)
-        self._rebuild(list(range(self.batch)), max(grown, self.slot_capacity))
+        slots = self.slot_capacity if need <= self.slot_capacity else max(
+            need, self.slot_capacity * 5 // 4)
+        self._rebuild(list(range(self.batch)), slots)
         return list(itertools.accumulate(sizes, initial=used))[:-1]
 
     def _rebuild(self, rows: list[int], slots: int) -> None:
@@ -250,7 +246,7 @@ class BatchStore:
         fresh = []
         for arena in (self.keys, self.values):
             new = arena.new_zeros((*arena.shape[:2], slots, arena.shape[3]))
-            for at, b in zip(offsets, rows, strict=False):  # offsets: one more, the end
+            for at, b in zip(offsets[:-1], rows, strict=True):
                 new[:, :, at : at + self.capacity[b]] = arena[:, :, self._extent(b)]
             fresh.append(new)
         self.keys, self.values = fresh
@@ -458,13 +454,16 @@ class BatchStore:
                           for b in range(self.batch)]
         full = [b for b in range(self.batch) if self.res_len[b] >= self.method.residual]
         if not full:
-            return Sealing(selections, full, None)
+            return Sealing(selections, full, None, None)
         self.pool.reserve(len(full))  # the pool may grow: no token changes place
-        oldest = self._positions(full, self.method.sink, self.method.group).view(len(full), -1)
+        m = self.method
+        residuals = torch.tensor([[self.offset[b] + m.sink + i for i in range(m.residual)]
+                                  for b in full], dtype=torch.long, device=self.keys.device)
+        oldest = residuals[:, : m.group]
         blocks = self._encode(full, [1] * len(full), *(
             x[0].transpose(0, 1)[oldest].transpose(1, 2).contiguous()  # [n, H, G, D]
             for x in (self.keys, self.values)), selections)
-        return Sealing(selections, full, blocks)
+        return Sealing(selections, full, residuals, blocks)
 
     def keep(self, sealing: Sealing) -> None:
         """Apply a step's ``sealing`` (nothing here can fail): the selections, each full row's
@@ -474,21 +473,14 @@ class BatchStore:
             self.selections = sealing.selections
             self.version += 1
         if sealing.full:
-            m, s, full = self.method, self.method.sink, sealing.full
-            kept = self._positions(full, s + m.group, m.residual - m.group)
-            moved = self._positions(full, s, m.residual - m.group)
-            for arena in (self.keys, self.values):
+            m, full, residuals = self.method, sealing.full, sealing.residuals
+            moved, kept = residuals[:, : m.residual - m.group], residuals[:, m.group :]
+            for arena in (self.keys, self.values):  # [H, n, R - G, D]
                 arena[0][:, moved] = arena[0][:, kept]
             for b in full:
                 self.res_len[b] -= m.group
             self._store_pages(full, [1] * len(full), sealing.blocks)
         self._slide(range(self.batch))
-
-    def _positions(self, rows: list[int], start: int, count: int) -> torch.Tensor:
-        """Arena positions of slots ``[start, start + count)`` of each of ``rows``, row after
-        row: [len(rows) * count] on the arena's device."""
-        return torch.tensor([self.offset[b] + start + i for b in rows for i in range(count)],
-                            dtype=torch.long, device=self.keys.device)
 
     # -- the window ----------------------------------------------------------------------------
 
