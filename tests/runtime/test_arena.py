@@ -8,7 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import RESIDUAL, SINK, D, make, tokens
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.store import RowFault
 
 SCALE = D**-0.5
@@ -61,12 +64,12 @@ class Driver:
         self.order.pop()
 
 
-def extents_apart(store) -> bool:
+def extents_apart(arena: SlotArena) -> bool:
     """Every row's extent lies in the arena and no two overlap."""
-    spans = sorted(zip(store.offset, store.capacity, strict=True))
+    spans = sorted(zip(arena.offset, arena.capacity, strict=True))
     ends = [at + size for at, size in spans]
     return all(end <= at for end, (at, _) in zip(ends, spans[1:], strict=False)) and (
-        not ends or ends[-1] <= store.slot_capacity)
+        not ends or ends[-1] <= arena.slots)
 
 
 def shared_run(backend: str) -> dict[str, list[torch.Tensor]]:
@@ -85,7 +88,7 @@ def shared_run(backend: str) -> dict[str, list[torch.Tensor]]:
     for _ in range(2):
         run.decode()
     run.join([("e", 3, 5)])
-    assert sum(store.capacity) == store.slot_capacity == ARENA and extents_apart(store)
+    assert sum(store.capacity) == store.slot_capacity == ARENA and extents_apart(store.arena)
     for _ in range(2):
         run.decode()
     return run.outs
@@ -116,7 +119,7 @@ def test_a_fixed_arena_refuses_a_row_beyond_it_before_any_change():
     store = layer.store
     with pytest.raises(ValueError, match=r"float slots are full: 28 of 30 slots in use and 3"):
         store.add_rows(1, [3])
-    assert store.batch == 2 and store.slot_capacity == 30 and extents_apart(store)
+    assert store.batch == 2 and store.slot_capacity == 30 and extents_apart(store.arena)
 
 
 def test_a_row_is_never_let_past_its_extent():
@@ -154,7 +157,7 @@ def test_a_resplit_moves_pages_and_slots_and_every_row_reads_the_same(backend):
     layer.store.resize_slots(sum(layer.store.capacity))
     assert highest >= used + 5 and moved and layer.pool.capacity == used + 5
     assert all(page < used + 5 for pages in layer.store.pages for page in pages)
-    assert layer.store.slot_capacity == 2 * (SINK + RESIDUAL) and extents_apart(layer.store)
+    assert layer.store.slot_capacity == 2 * (SINK + RESIDUAL) and extents_apart(layer.store.arena)
     for run in twins:
         for _ in range(10):
             run.decode()
@@ -163,3 +166,68 @@ def test_a_resplit_moves_pages_and_slots_and_every_row_reads_the_same(backend):
                                                      strict=True)), name
     with pytest.raises(ValueError, match="below the"):
         layer.pool.resize(layer.pool.used - 1)
+
+
+# -- the arena alone: any sequence of joins and leaves -------------------------------------------
+
+OPERATIONS = st.lists(st.one_of(st.tuples(st.just("add"), st.lists(st.integers(1, 9), min_size=1,
+                                                                     max_size=3)),
+                                st.tuples(st.just("remove"), st.integers(0, 50))),
+                      max_size=25)
+
+
+@settings(max_examples=60, deadline=None)
+@given(OPERATIONS, st.booleans())
+def test_an_arena_keeps_every_rows_slots_through_joins_leaves_and_compaction(operations, fixed):
+    """Rows are marked in their slots (keys: the row's name, values: its position in the
+    extent) as they join; after every join (first fit, or compacted, or refused when a fixed
+    arena is full) and every leave, extents are apart, inside the arena, and each row's slots
+    still hold its marks."""
+    arena = SlotArena("a test")
+    arena.allocate(2, 12, 3, torch.float16, "cpu", fixed=fixed)
+    names: list[int] = []
+    for step, (kind, what) in enumerate(operations):
+        if kind == "remove":
+            if names:
+                b = what % len(names)
+                arena.remove(b)
+                names[b] = names[-1]
+                names.pop()
+        else:
+            full = sum(arena.capacity) + sum(what) > arena.slots
+            if fixed and full:
+                with pytest.raises(ValueError, match="float slots are full"):
+                    arena.add(what)
+            else:
+                first = arena.rows
+                arena.add(what)
+                for b in range(first, arena.rows):
+                    keys, values = arena.views(b)
+                    names.append(100 * step + b)
+                    keys.fill_(names[-1])
+                    values.copy_(torch.arange(arena.capacity[b])[None, :, None].expand_as(values))
+        assert arena.rows == len(names)
+        assert extents_apart(arena)
+        assert arena.nbytes() == arena.slots * arena.token_bytes()  # both storages, whole
+        for b, name in enumerate(names):
+            keys, values = arena.views(b)
+            assert (keys == name).all()
+            assert torch.equal(values[0, :, 0], torch.arange(arena.capacity[b],
+                                                             dtype=values.dtype))
+
+
+def test_tokens_by_position_round_trip_through_the_slot_dtype():
+    """``put`` rounds to the slot dtype, ``take`` reads the same positions back, and ``move``
+    copies slots read before written (overlapping ranges)."""
+    arena = SlotArena("a test")
+    arena.allocate(2, 10, 4, torch.float16, "cpu")
+    arena.add([4, 6])
+    at = arena.positions(torch.tensor([1, 1, 0]), torch.tensor([0, 5, 3]))
+    assert at.tolist() == [4, 9, 3]
+    keys, values = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    arena.put(at, keys, values)
+    got = arena.take(at)
+    assert torch.equal(got[0], keys.half()) and torch.equal(got[1], values.half())
+    before = arena.keys.clone()
+    arena.move(torch.tensor([4, 5, 6]), torch.tensor([5, 6, 7]))
+    assert torch.equal(arena.keys[0, :, 4:7], before[0, :, 5:8])

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmix.methods import Method, ModelSpec
+from kvmix.runtime.arena import token_bytes
 from kvmix.runtime.store import BatchStore, sealed_groups
 
 
@@ -69,7 +70,7 @@ def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
 
 def slot_bytes(method: Method, spec: ModelSpec, dtype: torch.dtype) -> int:
     """One token's keys and values in a float slot (sink or residual) of a model in ``dtype``."""
-    return 2 * spec.n_kv_heads * spec.head_dim * method.slot_dtype(dtype).itemsize
+    return token_bytes(spec.n_kv_heads, spec.head_dim, method.slot_dtype(dtype))
 
 
 def page_bytes(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> float:

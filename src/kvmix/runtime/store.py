@@ -8,14 +8,13 @@ padding), so a sequence gets the same store alone or in a padded batch.
 
 The storage is the batch's, not the sequence's:
 
-* float slots in one arena per layer, ``keys``, ``values``: [1, H, N, D] in the method's slot
-  dtype (``Method.slot_dtype``: float16 for a quantizing method in a float32 model). Row b owns
-  the extent ``[offset[b], offset[b] + capacity[b])``: at most ``sink + residual`` slots, fewer
-  for a request that will never hold them (``add_rows``); its sink fills slots
-  ``[0, sink_len[b])`` of the extent and its residual ``[sink, sink + res_len[b])``. Extents
-  are placed first fit, compacted when none fits (the arena grows unless it is fixed, as a
-  server's is). New tokens are rounded to the slot dtype as they enter (``stored``), so a token
-  is attended, kept and sealed as one value;
+* float slots in one ``SlotArena`` per layer, ``keys``, ``values``: [1, H, N, D] in the
+  method's slot dtype (``Method.slot_dtype``: float16 for a quantizing method in a float32
+  model). Row b owns the extent ``[offset[b], offset[b] + capacity[b])``: at most ``sink +
+  residual`` slots, fewer for a request that will never hold them (``add_rows``); its sink
+  fills slots ``[0, sink_len[b])`` of the extent and its residual ``[sink, sink + res_len[b])``.
+  New tokens are rounded to the slot dtype as they enter (``stored``), so a token is attended,
+  kept and sealed as one value;
 * sealed pages in the layer's ``PagePool``; per row the page ids and the tokens each holds
   (``group``, less only after a crop) — the block table;
 * per row the prefill selection (PN-Mix masks, ...), each its own storage.
@@ -37,7 +36,6 @@ sequence for the reference path and the per-sequence kernels.
 from __future__ import annotations
 
 import functools
-import itertools
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +45,7 @@ import torch
 from kvmix.core.memory import storage_bytes
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
+from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.pool import FREE, PagePool
 from kvmix.runtime.steps import Kind, Step, StepMeta, meta
 
@@ -94,11 +93,8 @@ class BatchStore:
         self.layer = layer
         self.pool = pool
         self.window = window  # a sliding-window layer's W, or None (every token stays visible)
-        self.keys = self.values = None  # [1, H, N, D]: the slot arena
+        self.arena = SlotArena(f"layer {layer}")  # keys, values [1, H, N, D]; rows' extents
         self.dtype: torch.dtype | None = None  # the model's: what sealing and reading see
-        self.fixed = False  # whether the arena keeps its size (a server's budget)
-        self.offset: list[int] = []  # per row, its extent in the arena
-        self.capacity: list[int] = []
         self.sink_len: list[int] = []
         self.res_len: list[int] = []
         self.pages: list[list[int]] = []  # page ids per row, in token order
@@ -115,13 +111,28 @@ class BatchStore:
         """Empty slots for ``batch`` rows shaped like ``like`` [*, H, *, D]."""
         self.sink_len, self.res_len, self.pages, self.held = [], [], [], []
         self.dropped, self.selections, self.prefilled = [], [], []
-        self.offset, self.capacity = [], []
         self.dtype = like.dtype
-        shape = (1, like.shape[1], batch * self.row_slots, like.shape[-1])
-        dtype = self.method.slot_dtype(self.dtype)
-        self.keys, self.values = like.new_zeros(shape, dtype=dtype), like.new_zeros(shape,
-                                                                                   dtype=dtype)
+        self.arena.allocate(like.shape[1], batch * self.row_slots, like.shape[-1],
+                            self.method.slot_dtype(self.dtype), like.device)
         self.add_rows(batch)
+
+    @property
+    def keys(self) -> torch.Tensor | None:  # [1, H, N, D]
+        return self.arena.keys
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self.arena.values
+
+    @property
+    def offset(self) -> list[int]:
+        """Per row, where its extent starts in the arena."""
+        return self.arena.offset
+
+    @property
+    def capacity(self) -> list[int]:
+        """Per row, the slots of its extent."""
+        return self.arena.capacity
 
     # -- rows joining and leaving (continuous batching) ----------------------------------------
 
@@ -133,18 +144,15 @@ class BatchStore:
     @property
     def slot_capacity(self) -> int:
         """Slots the arena holds (rows' or free)."""
-        return self.keys.shape[2] if self.keys is not None else 0
+        return self.arena.slots
 
     def add_rows(self, count: int, capacity: list[int] | None = None) -> None:
         """``count`` empty rows after the last (requests admitted), each with slots for
         ``capacity`` tokens (a whole sink and residual by default; fewer for a request that
         will never hold them): extents placed first fit, so a join copies no other row's
         slots but when the rows are compacted."""
-        sizes = [self.row_slots] * count if capacity is None else [
-            min(c, self.row_slots) for c in capacity]
-        offsets = self._extents(sizes)  # may compact the rows: their offsets change
-        self.offset += offsets
-        self.capacity += sizes
+        self.arena.add([self.row_slots] * count if capacity is None else [
+            min(c, self.row_slots) for c in capacity])  # may compact the rows
         for name, empty in (("sink_len", 0), ("res_len", 0), ("dropped", 0),
                             ("selections", None), ("prefilled", False)):
             getattr(self, name).extend([empty] * count)
@@ -155,12 +163,8 @@ class BatchStore:
     def resize_slots(self, slots: int, fixed: bool = True) -> None:
         """An arena of exactly ``slots`` slots (at least the rows' extents), the rows compacted
         into it; ``fixed``: it never grows (``add_rows`` beyond it is refused)."""
-        if slots < sum(self.capacity):
-            raise ValueError(f"slots={slots} is below the {sum(self.capacity)} slots the rows "
-                             f"hold (layer {self.layer})")
-        if self.keys is not None:
-            self._rebuild(list(range(self.batch)), slots)
-        self.fixed = fixed
+        self.arena.resize(slots, fixed)
+        self._changed()
 
     def renumber(self, moved: dict[int, int]) -> None:
         """The pool moved pages (``PagePool.resize``: {old id: new id}): the block table
@@ -176,10 +180,11 @@ class BatchStore:
         last = self.batch - 1
         self.pool.release(self.pages[b])
         for name in ("sink_len", "res_len", "pages", "held", "dropped", "selections",
-                     "prefilled", "offset", "capacity"):
+                     "prefilled"):
             rows = getattr(self, name)
             rows[b] = rows[last]
             rows.pop()
+        self.arena.remove(b)
         self._changed()
         return last
 
@@ -189,8 +194,7 @@ class BatchStore:
         first = self.batch
         self.add_rows(count, [self.capacity[b]] * count)
         for r in range(first, first + count):
-            for arena in (self.keys, self.values):
-                arena[..., self._extent(r), :] = arena[..., self._extent(b), :]
+            self.arena.copy(b, r)
             self.pool.retain(self.pages[b])
             self.pages[r], self.held[r] = list(self.pages[b]), list(self.held[b])
             for name in ("sink_len", "res_len", "dropped", "prefilled"):
@@ -200,58 +204,7 @@ class BatchStore:
 
     def slots(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row ``b``'s extent of the arena: keys, values [H, capacity, D] (views)."""
-        extent = self._extent(b)
-        return self.keys[0, :, extent], self.values[0, :, extent]
-
-    def _extent(self, b: int) -> slice:
-        return slice(self.offset[b], self.offset[b] + self.capacity[b])
-
-    def _extents(self, sizes: list[int]) -> list[int]:
-        """Offsets of new extents of ``sizes`` slots: first fit in the arena's gaps; when one
-        does not fit, the rows are compacted and the new extents follow them (the arena grown
-        to hold them unless it is fixed)."""
-        gaps, offsets = self._gaps(), []
-        for size in sizes:
-            at = next((i for i, (_, length) in enumerate(gaps) if length >= size), None)
-            if at is None:
-                return self._compacted(sizes)
-            start, length = gaps[at]
-            offsets.append(start)
-            gaps[at] = (start + size, length - size)
-        return offsets
-
-    def _gaps(self) -> list[tuple[int, int]]:
-        """(start, length) of the arena's free stretches, in order."""
-        gaps, at = [], 0
-        for start, size in sorted(zip(self.offset, self.capacity, strict=True)):
-            gaps.append((at, start - at))
-            at = start + size
-        return [*gaps, (at, self.slot_capacity - at)]
-
-    def _compacted(self, sizes: list[int]) -> list[int]:
-        used = sum(self.capacity)
-        need = used + sum(sizes)
-        if self.fixed and need > self.slot_capacity:
-            raise ValueError(f"the float slots are full: {used} of {self.slot_capacity} slots "
-                             f"in use and {sum(sizes)} more needed (layer {self.layer})")
-        slots = self.slot_capacity if need <= self.slot_capacity else max(
-            need, self.slot_capacity * 5 // 4)
-        self._rebuild(list(range(self.batch)), slots)
-        return list(itertools.accumulate(sizes, initial=used))[:-1]
-
-    def _rebuild(self, rows: list[int], slots: int) -> None:
-        """A new arena of ``slots`` slots holding the extents of ``rows`` (in that order, a row
-        may repeat) contiguous from 0; they become the rows."""
-        offsets = list(itertools.accumulate((self.capacity[b] for b in rows), initial=0))
-        fresh = []
-        for arena in (self.keys, self.values):
-            new = arena.new_zeros((*arena.shape[:2], slots, arena.shape[3]))
-            for at, b in zip(offsets[:-1], rows, strict=True):
-                new[:, :, at : at + self.capacity[b]] = arena[:, :, self._extent(b)]
-            fresh.append(new)
-        self.keys, self.values = fresh
-        self.offset, self.capacity = offsets[:-1], [self.capacity[b] for b in rows]
-        self._changed()
+        return self.arena.views(b)
 
     def _changed(self) -> None:
         """Rows or extents changed: the fused ops' cached arguments are stale."""
@@ -399,8 +352,7 @@ class BatchStore:
         every layer of the kind): no host value of the step reaches the launch."""
         step = self.steps.advance(self, [self.offset[b] + self._slot(b)
                                          for b in range(self.batch)])
-        for arena, new in ((self.keys, keys), (self.values, values)):  # [N, H, D] <- [B, H, D]
-            arena[0].transpose(0, 1).index_copy_(0, step.slots, new[:, :, 0].to(arena.dtype))
+        self.arena.put(step.slots, keys[:, :, 0], values[:, :, 0])
 
     def counts(self) -> tuple[list[int], list[int]]:
         """Every row's sink and residual lengths (what a decode step's ``write`` changes)."""
@@ -459,10 +411,9 @@ class BatchStore:
         m = self.method
         residuals = torch.tensor([[self.offset[b] + m.sink + i for i in range(m.residual)]
                                   for b in full], dtype=torch.long, device=self.keys.device)
-        oldest = residuals[:, : m.group]
-        blocks = self._encode(full, [1] * len(full), *(
-            x[0].transpose(0, 1)[oldest].transpose(1, 2).contiguous()  # [n, H, G, D]
-            for x in (self.keys, self.values)), selections)
+        blocks = self._encode(full, [1] * len(full), *(  # [n, G, H, D] -> [n, H, G, D]
+            x.transpose(1, 2).contiguous() for x in self.arena.take(residuals[:, : m.group])),
+            selections)
         return Sealing(selections, full, residuals, blocks)
 
     def keep(self, sealing: Sealing) -> None:
@@ -474,9 +425,7 @@ class BatchStore:
             self.version += 1
         if sealing.full:
             m, full, residuals = self.method, sealing.full, sealing.residuals
-            moved, kept = residuals[:, : m.residual - m.group], residuals[:, m.group :]
-            for arena in (self.keys, self.values):  # [H, n, R - G, D]
-                arena[0][:, moved] = arena[0][:, kept]
+            self.arena.move(residuals[:, : m.residual - m.group], residuals[:, m.group :])
             for b in full:
                 self.res_len[b] -= m.group
             self._store_pages(full, [1] * len(full), sealing.blocks)
@@ -583,7 +532,8 @@ class BatchStore:
         holder; float slots and selections are copied (a row used twice owns its own)."""
         if self.keys is None:
             return
-        self._rebuild(index, max(self.slot_capacity, sum(self.capacity[b] for b in index)))
+        self.arena.pick(index)
+        self._changed()
         old = self.pages
         self.pages = [list(old[b]) for b in index]
         for pages in self.pages:
@@ -603,9 +553,8 @@ class BatchStore:
 
     def to(self, device: torch.device | str) -> None:
         moved = functools.partial(map_tensors, fn=lambda t: t.to(device, non_blocking=True))
-        if self.keys is not None:
-            self.keys, self.values = moved(self.keys), moved(self.values)
-            self._changed()
+        self.arena.to(device)
+        self._changed()
         self.selections = [moved(s) for s in self.selections]
         self.version += 1
 
@@ -617,12 +566,12 @@ class BatchStore:
         total: Counter = Counter()
         if self.keys is None:
             return total
-        slot = self.keys.element_size() * self.keys.shape[1] * self.keys.shape[3]  # one token
+        slot = self.arena.token_bytes()  # one token's keys and values
         sink, residual = sum(self.sink_len), sum(self.res_len)
-        capacity = storage_bytes(self.keys) // slot  # every slot of the arena, rows' or not
-        total["sink"] += 2 * slot * sink
-        total["residual"] += 2 * slot * residual
-        total[FREE] += 2 * slot * (capacity - sink - residual)
+        capacity = self.arena.nbytes() // slot  # every slot of the arena, rows' or not
+        total["sink"] += slot * sink
+        total["residual"] += slot * residual
+        total[FREE] += slot * (capacity - sink - residual)
         for selection in self.selections:
             for kind, t in tagged_tensors(selection, "masks"):
                 total[kind] += storage_bytes(t)
@@ -630,8 +579,7 @@ class BatchStore:
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the store holds itself (the pool's pages aside)."""
-        held = [] if self.keys is None else [self.keys, self.values]
-        return held + [t for s in self.selections for _, t in tagged_tensors(s, "")]
+        return self.arena.tensors() + [t for s in self.selections for _, t in tagged_tensors(s, "")]
 
 
 class RowView:
