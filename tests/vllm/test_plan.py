@@ -82,7 +82,8 @@ class Run:
             starts = np.concatenate([[0], np.cumsum(new)])
             lengths = done[rows] + new
             plan = plan_step(self.staging, self.method.group, BLOCK, starts, lengths,
-                             self.table[rows], self.device)
+                             self.table[rows], self.device, self.cache.kernels != "torch",
+                             self.settings.prefill == "exact")
             spans = [slice(done[s], done[s] + step[s]) for s in rows]
             query, key, value = (torch.cat([x[s][span] for s, span in zip(rows, spans,
                                                                             strict=True)])
@@ -172,7 +173,7 @@ def test_a_chunks_queries_in_blocks_attend_as_the_whole_chunk_does(monkeypatch, 
     """Blocks of one group and of two (a chunk of 11, 16 or 6 tokens then spans several, one
     of them carrying staged tokens): each block's queries see what they saw as one call."""
     monkeypatch.setattr(plan, "QUERY_TOKENS", tokens)
-    blocked = Run(settings_for(name)).run()
+    blocked = Run(settings_for(name, kernels="torch")).run()  # chunks in blocks
     assert len(plan.query_blocks(11, 6, G, torch.device("cpu"))) == 2  # positions 11..16
     check(blocked)
 
@@ -196,6 +197,18 @@ def test_the_fused_op_and_the_reference_path_agree(name):
     assert reference.cache.kernels == "torch"
     for a, b in zip(fused.outputs, reference.outputs, strict=True):
         assert_near(a, b, op_tolerance(fused.method))
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
+def test_a_token_attends_the_same_decoded_or_recomputed_in_a_prefill_chunk(name):
+    """With the fused kernels a prefill chunk's tokens are kernel rows, as decodes are: tokens
+    first decoded one by one, then recomputed in one chunk (vLLM's preemption), give the same
+    outputs to float32 reassociation, even where the kernels round differently from the
+    reference path (the CPU op's integer dot products)."""
+    decoded = Run(settings_for(name), schedule=[[11, 0, 0]] + [[1, 0, 0]] * 9).run()
+    recomputed = Run(settings_for(name), schedule=[[20, 0, 0]]).run()
+    assert recomputed.cache.kernels == "cpu"
+    assert_near(recomputed.outputs[0], decoded.outputs[0], 1e-5)
 
 
 @pytest.mark.skipif(not gpu.available()[0], reason="Triton is not installed")

@@ -32,7 +32,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvmix.vllm.layer import LayerCache, staging_nbytes
+from kvmix.vllm.layer import LayerCache, kernels, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StepPlan, plan_step
 from kvmix.vllm.settings import Refused, Settings, resolve
@@ -129,6 +129,9 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         slots = vllm_config.scheduler_config.max_num_seqs
         self.staging = Staging(slots)
         settings = self.settings
+        # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
+        self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
+                             settings.dtype, device) != "torch"
         logger.info("kvmix: %s in vLLM's cache, %d bytes a page of %d tokens; float staging of "
                     "each running sequence's open group (%s): %d sequences, %.1f MiB",
                     settings.text, page_bytes(settings, settings.dtype), settings.group,
@@ -143,7 +146,8 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         table = meta.block_table_tensor[: meta.num_reqs]
         plan = plan_step(self.staging, self.settings.group, self.block_size, starts,
                          lengths.cpu().numpy().astype(np.int64)[: meta.num_reqs],
-                         table.cpu().numpy().astype(np.int64), self.device)
+                         table.cpu().numpy().astype(np.int64), self.device, self.fused,
+                         self.settings.prefill == "exact")
         return KvmixMetadata(plan, meta.num_actual_tokens)
 
 

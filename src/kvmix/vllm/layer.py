@@ -1,18 +1,21 @@
 """One attention layer's kvmix cache inside vLLM: its pages (views into vLLM's KV tensor), the
 float staging of each running sequence's open group, and a step's work on them.
 
+The staging is a ``SlotArena``, the storage of kvmix's own sinks and residuals: one extent of
+``group`` slots per running sequence, in the staging dtype.
+
 A step (``StepPlan``, planned once for every layer) runs in three parts:
 
 1. seal — every group completed this step (staged tokens and new ones) encoded in one
    ``encode`` call and written into its page; a row's first group first picks the row's
    selection from its tokens' queries and keys, later groups copy it from the first page;
-2. attend — rows with one new token (decodes) in one call of kvmix's fused CPU op (on CUDA,
-   its Triton kernels: two launches) over vLLM's block table, their float context the staged
-   tokens and the new one; longer rows (prefill chunks) through the reference path, a block
-   of whole groups at a time: each token over the packed groups before its own (decoded
-   pages) and its own group's floats, as a decode at its position would see them (with
-   ``prefill="exact"``, a prompt's first chunk over its own tokens in float instead, as a
-   float prefill);
+2. attend — every token over the packed groups before its own (its pages) and its own group's
+   floats up to it (staged, then new), as a decode at its position sees them: one call of
+   kvmix's fused CPU op (on CUDA, its Triton kernels: two launches) over vLLM's block table
+   for every decode and every prefill chunk's token. With the reference path (``kernels=
+   "torch"``) decodes row by row and prefill chunks a block of whole groups at a time, pages
+   decoded. With ``prefill="exact"``, a prompt's first chunk attends over its own tokens in
+   float instead, as a float prefill;
 3. stage — the new tokens of groups still open written to their staging slots.
 """
 
@@ -25,6 +28,7 @@ import torch
 
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
+from kvmix.runtime.arena import SlotArena, token_bytes
 from kvmix.runtime.kernels import batch, cpu, gpu, triton_unusable
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
@@ -43,10 +47,13 @@ class LayerCache:
         method, spec = settings.method, settings.spec
         self.method, self.layer, self.dtype = method, layer, dtype
         self.layout = layout(method, spec, layer, dtype)
-        self.per_block = block_size // method.group
-        shape = (2, slots, spec.n_kv_heads, method.group, spec.head_dim)
-        # [2 (keys, values), slots, H, G, D]: each running sequence's open group
-        self.staged = torch.zeros(shape, dtype=settings.staging, device=device)
+        self.per_block, self.device = block_size // method.group, device
+        # keys, values [1, H, slots · G, D]: each running sequence's open group, an extent each
+        self.staged = SlotArena(f"the staging of layer {layer}")
+        self.staged.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
+                             settings.staging, device, fixed=True)
+        self.staged.add([method.group] * slots)
+        self.within = torch.arange(method.group, device=device)  # a group's slots
         probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
         self.sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
                                                                device=device)
@@ -71,8 +78,8 @@ class LayerCache:
 
     def staging_bytes(self) -> int:
         """What the staging holds: each slot's open group (keys, values) and query sums."""
-        held = [self.staged] + ([self.sums] if self.sums is not None else [])
-        return sum(t.numel() * t.element_size() for t in held)
+        sums = 0 if self.sums is None else self.sums.numel() * self.sums.element_size()
+        return self.staged.nbytes() + sums
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -102,8 +109,8 @@ class LayerCache:
     # -- attend --------------------------------------------------------------------------------
 
     def _decode(self, plan: StepPlan, query, kv, scale: float, output) -> None:
-        """Every one-token row in one call of the fused kernels (or, without them, row by
-        row)."""
+        """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
+        kernels (or, without them, row by row)."""
         tokens = plan.decode_tokens
         context = self._context(plan, kv)
         if self.kernels == "torch":
@@ -125,11 +132,12 @@ class LayerCache:
         output[tokens] = out.to(output.dtype)
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
-        """Each decode row's staged tokens, then its new one: [2, Rd, H, G, D] (keys, values)
-        in the staging dtype."""
-        context = self.staged.index_select(1, plan.decode_slots)
-        context[:, plan.decode_rows, :, plan.decode_staged] = kv[plan.decode_tokens]
-        return context
+        """Each kernel row's group up to it, its staged tokens then its new ones: [2, Rd, H, G,
+        D] (keys, values) in the staging dtype."""
+        slots = self.staged.positions(plan.decode_slots[:, None], self.within)  # [Rd, G]
+        context = torch.stack(self.staged.take(slots)).transpose(2, 3)  # [2, Rd, H, G, D]
+        context[:, plan.context_rows, :, plan.context_offsets] = kv[plan.context_tokens]
+        return context.contiguous()
 
     def _reference(self, plan: StepPlan, row: int, token: int, query, context, scale,
                    output) -> None:
@@ -163,7 +171,7 @@ class LayerCache:
         (``Chunk.blocks``), each over the decoded groups its queries see and its own floats."""
         staged = chunk.before % self.method.group
         if staged:
-            held = self.staged[:, chunk.slot : chunk.slot + 1, :, :staged].float()
+            held = [x[None, :, :staged].float() for x in self.staged.views(chunk.slot)]
             keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
         history = self._history(chunk.pages, chunk.first, torch.float32)  # [1, H, P·G, D]
         outputs = []
@@ -177,10 +185,10 @@ class LayerCache:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's pages decoded: keys, values [1, H, n·G, D]."""
         if not pages:
-            _, _, H, _, D = self.staged.shape
-            empty = self.staged.new_zeros(1, H, 0, D, dtype=dtype)
+            _, H, _, D = self.staged.keys.shape
+            empty = self.staged.keys.new_zeros(1, H, 0, D, dtype=dtype)
             return empty, empty
-        index = torch.tensor(pages, device=self.staged.device)
+        index = torch.tensor(pages, device=self.device)
         blocks = map_tensors(self.pages.blocks, lambda t: t.index_select(0, index).unsqueeze(0))
         keys, values = self.method.decode(blocks, self.layer, self._selection([first]), dtype)
         return tuple(x.transpose(1, 2).flatten(2, 3) for x in (keys, values))
@@ -189,7 +197,7 @@ class LayerCache:
         """The selection stored in ``pages`` (batch dimension: one per page), or None."""
         if self.pages.selection is None:
             return None
-        index = torch.as_tensor(pages, device=self.staged.device)
+        index = torch.as_tensor(pages, device=self.device)
         return map_tensors(self.pages.selection, lambda t: t.index_select(0, index))
 
     def _pool_view(self, plan: StepPlan) -> batch.PoolView:
@@ -224,10 +232,11 @@ class LayerCache:
     def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
         model's dtype."""
-        E, (_, _, H, G, D) = plan.sealed, self.staged.shape
-        groups = kv.new_zeros(2, E, H, G, D, dtype=self.dtype)
+        (_, H, _, D), G = self.staged.keys.shape, self.method.group
+        groups = kv.new_zeros(2, plan.sealed, H, G, D, dtype=self.dtype)
+        carried = self.staged.take(self.staged.positions(plan.carry_slots, plan.carry_offsets))
         groups[:, plan.carry_entries, :, plan.carry_offsets] = \
-            self.staged[:, plan.carry_slots, :, plan.carry_offsets].to(self.dtype)
+            torch.stack(carried, 1).to(self.dtype)  # [n, 2, H, D]
         groups[:, plan.seal_entries, :, plan.seal_offsets] = kv[plan.seal_tokens].to(self.dtype)
         return groups
 
@@ -254,7 +263,7 @@ class LayerCache:
             keys, values = (_heads_first(kv[new, i]).to(self.dtype) for i in (0, 1))
             chosen = self.method.select(_heads_first(query[new]), keys, self.layer, values)
             _write(self.pages.selection, chosen,
-                   torch.tensor([chunk.first], device=self.staged.device))
+                   torch.tensor([chunk.first], device=self.device))
             self._selected += 1
 
     def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
@@ -275,7 +284,9 @@ class LayerCache:
 
     def _stage(self, plan: StepPlan, kv: torch.Tensor) -> None:
         """The new tokens of groups still open into their slots."""
-        self.staged[:, plan.staged_slots, :, plan.staged_offsets] = kv[plan.staged_tokens]
+        new = kv[plan.staged_tokens]  # [n, 2, H, D]
+        self.staged.put(self.staged.positions(plan.staged_slots, plan.staged_offsets),
+                        new[:, 0], new[:, 1])
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +298,7 @@ def staging_nbytes(settings: Settings, slots: int) -> int:
     """What every layer's staging holds for ``slots`` running sequences: the open group's keys
     and values in the staging dtype, and where the method selects, its query sums."""
     method, spec = settings.method, settings.spec
-    group = 2 * spec.n_kv_heads * method.group * spec.head_dim * settings.staging.itemsize
+    group = method.group * token_bytes(spec.n_kv_heads, spec.head_dim, settings.staging)
     probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
     sums = 0 if probe is None else probe[0].numel() * probe.element_size()
     return spec.n_layers * slots * (group + sums)

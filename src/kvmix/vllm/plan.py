@@ -14,9 +14,13 @@ Per row (a request in the step) with ``c`` tokens computed before and ``n`` new 
 * the new tokens of a group still open go to its staging slot.
 
 Each new token attends as a decode at its position would: to the groups before its own, packed
-(sealed earlier or in this step), and to its own group's tokens up to it, as floats. A prompt's
-outputs then do not depend on how vLLM chunks it, on how much of it came from the prefix cache,
-or on a preemption's recomputation.
+(sealed earlier or in this step), and to its own group's tokens up to it, as floats. With the
+fused kernels (``fused``) every such token is a row of one kernel call, a prefill chunk's
+tokens as much as a decode's: a token's output is then the same computation however it is
+scheduled. A prompt's outputs do not depend on how vLLM chunks it, on how much of it came from
+the prefix cache, or on a preemption's recomputation (which attends again, as a prefill, tokens
+first decoded), even where the kernels round differently from the reference path (the CPU op's
+integer dot products).
 
 A row's first group also decides its selection (PN-Mix's pairs, ...): the query sums of its
 tokens are kept with the slot until the group is sealed (``query_sums``), and a row's later
@@ -110,11 +114,13 @@ class StepPlan:
     staged tokens ``carry_slots`` / ``carry_offsets`` (into ``carry_entries``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
     [E] (True where the group is its row's first: it selects).
-    Decode rows (one new token each: the batched kernel): ``decode_tokens``, ``decode_rows``
-    (0 .. Rd - 1), ``decode_slots`` (0 where nothing is staged: the kernel reads none of it),
-    ``decode_staged`` [Rd] tokens staged before, ``table``, ``held``
-    [Rd, M] and ``counts`` [Rd] the pages of their history, ``spans`` [Rd, 4].
-    Longer rows (prefill chunks): ``chunks``, on the host.
+    Kernel rows (``decode_*``, one per token attended by the kernels: a decode row's token, and
+    with ``fused`` every token of a prefill chunk): ``decode_tokens`` [Rd] its query,
+    ``decode_slots`` [Rd] the slot whose first ``decode_staged`` tokens open its group (0 where
+    none is read), and its group's new tokens up to it, ``context_tokens`` into row
+    ``context_rows`` at ``context_offsets``; ``table``, ``held`` [Rd, M] and ``counts`` [Rd] the
+    pages of the groups before its own, ``spans`` [Rd, 4] what it reads of its floats.
+    Other rows (prefill chunks through the reference path): ``chunks``, on the host.
     """
 
     group: int
@@ -136,9 +142,11 @@ class StepPlan:
     sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
     carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
     decode_tokens: torch.Tensor
-    decode_rows: torch.Tensor
     decode_slots: torch.Tensor
     decode_staged: torch.Tensor
+    context_rows: torch.Tensor
+    context_offsets: torch.Tensor
+    context_tokens: torch.Tensor
     decode_first: tuple[int, ...]  # each decode row's first page (its selection), on the host
     table: torch.Tensor
     held: torch.Tensor
@@ -202,9 +210,12 @@ def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Bloc
 
 
 def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
-              lengths: np.ndarray, block_table: np.ndarray, device: torch.device) -> StepPlan:
+              lengths: np.ndarray, block_table: np.ndarray, device: torch.device,
+              fused: bool = False, exact: bool = False) -> StepPlan:
     """The plan of one step. starts [R + 1]: each row's first token (vLLM's query_start_loc);
-    lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W]."""
+    lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W];
+    ``fused``: prefill chunks' tokens are kernel rows too, but for a prompt's first chunk when
+    it attends in float (``exact``)."""
     G, per_block = group, block_size // group
     new = np.diff(starts)  # [R]
     before = lengths - new  # c
@@ -255,7 +266,9 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     first_group = token_g == 0
     entry_first = entry_g == 0
     carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
-    decode = new == 1
+    decode = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
+    rows_of = _kernel_rows(np.flatnonzero(decode[token_row]), token_row, position, before,
+                           starts, staged, staged_slots, G)
     plan = _Builder(device)
     return StepPlan(
         group=G,
@@ -276,13 +289,10 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         sum_tokens=plan(np.flatnonzero(first_group)),
         sum_sealed=plan(sealing[first_group], torch.bool),
         carry_sums=plan(carry_sums[entry_first]),
-        decode_tokens=plan(starts[:-1][decode]),
-        decode_rows=plan(np.arange(int(decode.sum()))),
-        decode_slots=plan(np.maximum(staged_slots[decode], 0)),
-        decode_staged=plan(staged[decode]),
-        decode_first=tuple(page(every[decode], np.zeros(int(decode.sum()), dtype=np.int64))
-                           .tolist()),
-        **_history(plan, page, every[decode], opened[decode], G, staged[decode]),
+        **{name: plan(values) for name, values in rows_of.items()
+           if name.startswith(("decode_", "context_"))},
+        decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
+        **_history(plan, page, rows_of["row"], rows_of["group"], G, rows_of["offset"]),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
                       page(np.full(done[r], r), np.arange(done[r])).tolist(),
                       int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
@@ -291,10 +301,33 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     )
 
 
+def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray,
+                 before: np.ndarray, starts: np.ndarray, staged: np.ndarray,
+                 staged_slots: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """Per kernel row (the step's ``tokens``, each at its ``position``): its request ``row``,
+    its ``group`` and ``offset`` in it, the staged tokens that open its group (a slot and a
+    count: its request's, when its group is the open one) and its group's new tokens up to it
+    (``context_*``: kernel row, offset in the group, token of the step)."""
+    row, at = token_row[tokens], position[tokens]
+    group, offset = at // G, at % G
+    own = group == before[row] // G  # its group is the one open before the step
+    first_new = np.maximum(group * G, before[row])  # its group's first new token's position
+    count = at - first_new + 1
+    pair = np.repeat(np.arange(len(tokens)), count)
+    into = first_new[pair] + np.arange(len(pair)) - np.repeat(np.cumsum(count) - count, count)
+    return {"row": row, "group": group, "offset": offset,
+            "decode_tokens": tokens,
+            "decode_slots": np.where(own, np.maximum(staged_slots[row], 0), 0),
+            "decode_staged": np.where(own, staged[row], 0),
+            "context_rows": pair,
+            "context_offsets": into - group[pair] * G,
+            "context_tokens": starts[row[pair]] + into - before[row[pair]]}
+
+
 def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int,
              staged: np.ndarray) -> dict[str, torch.Tensor]:
-    """The decode rows' block table: pages of groups [0, opened) padded with page 0, and the
-    float context each reads (its staged tokens, then its new one)."""
+    """The kernel rows' block table: pages of groups [0, opened) padded with page 0, and the
+    float context each reads (its group's tokens up to it: ``staged`` + 1)."""
     width = max(int(opened.max(initial=0)), 1)
     grid = np.broadcast_to(np.arange(width), (len(rows), width))
     valid = grid < opened[:, None]
