@@ -122,7 +122,8 @@ def attend(cache: KVMixCache, queries: torch.Tensor, mask: torch.Tensor | None =
     layer.attend(cache.method.transform_queries(queries, layer.layer_idx), mask, D**-0.5)
 
 
-INTEGER_TOLERANCE = 1e-3  # of the largest output: the integer path's 16-bit weights (~1e-4)
+INTEGER_TOLERANCE = 2e-3  # of the largest output: the integer path's 16-bit weights (2-8e-4 a
+# step at production shapes, 1.3e-3 the largest over 66 steps; README, "cpu")
 
 
 def op_tolerance(method, fused=None) -> float:

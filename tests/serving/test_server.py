@@ -463,7 +463,8 @@ def test_bodies_beyond_max_body_get_413(model, tokenizer):
 def test_a_request_past_its_deadline_gets_504_and_its_pages_return(model, tokenizer):
     with serving(model, tokenizer, Limits(max_tokens=NEW, request_timeout=0.3)) as (manager,
                                                                                    server), \
-            httpx.Client(base_url=server.url, timeout=TIMEOUT) as http:
+            httpx.Client(base_url=server.url, timeout=TIMEOUT) as http, \
+            slowed(manager, 0.05):  # every step 0.05 s at least: past 0.3 s on any machine
         long = {"prompt": PROMPTS[0], "max_tokens": 150, "ignore_eos": True}
         answer = http.post("/v1/completions", json=long)
         assert answer.status_code == 504 and "request_timeout" in answer.json()["error"]["message"]
