@@ -132,19 +132,20 @@ class LayerCache:
         output[tokens] = out.to(output.dtype)
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
-        """Each kernel row's group up to it, its staged tokens then its new ones: [2, Rd, H, G,
-        D] (keys, values) in the staging dtype."""
-        slots = self.staged.positions(plan.decode_slots[:, None], self.within)  # [Rd, G]
-        context = torch.stack(self.staged.take(slots)).transpose(2, 3)  # [2, Rd, H, G, D]
-        context[:, plan.context_rows, :, plan.context_offsets] = kv[plan.context_tokens]
-        return context.contiguous()
+        """The step's float buffer: each kernel row's group (staged tokens, then new ones) once
+        for all its rows, keys and values [2, 1, H, U·G, D] in the staging dtype (the rows'
+        ``spans`` place them)."""
+        slots = self.staged.positions(plan.float_slots[:, None], self.within)  # [U, G]
+        buffer = torch.stack(self.staged.take(slots)).flatten(1, 2)  # [2, U·G, H, D]
+        buffer[:, plan.context_slots] = kv[plan.decode_tokens].transpose(0, 1)
+        return buffer.permute(0, 2, 1, 3).unsqueeze(1).contiguous()
 
     def _reference(self, plan: StepPlan, row: int, token: int, query, context, scale,
                    output) -> None:
         """One decode row through the reference path."""
         pages = plan.table[row, : int(plan.counts[row])].tolist()
-        used = int(plan.spans[row, 3])
-        keys, values = context[:, row : row + 1, :, :used].float()
+        start, used = plan.spans[row, 2:].tolist()
+        keys, values = context[:, :, :, start : start + used].float()
         history = self._history(pages, plan.decode_first[row], torch.float32)
         keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, (keys, values),
                                                                    strict=True))

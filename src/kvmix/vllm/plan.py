@@ -114,12 +114,12 @@ class StepPlan:
     staged tokens ``carry_slots`` / ``carry_offsets`` (into ``carry_entries``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
     [E] (True where the group is its row's first: it selects).
-    Kernel rows (``decode_*``, one per token attended by the kernels: a decode row's token, and
-    with ``fused`` every token of a prefill chunk): ``decode_tokens`` [Rd] its query,
-    ``decode_slots`` [Rd] the slot whose first ``decode_staged`` tokens open its group (0 where
-    none is read), and its group's new tokens up to it, ``context_tokens`` into row
-    ``context_rows`` at ``context_offsets``; ``table``, ``held`` [Rd, M] and ``counts`` [Rd] the
-    pages of the groups before its own, ``spans`` [Rd, 4] what it reads of its floats.
+    Kernel rows (one per token attended by the kernels: a decode row's token, and with
+    ``fused`` every token of a prefill chunk): ``decode_tokens`` [Rd] its query; ``table``,
+    ``held`` [Rd, M] and ``counts`` [Rd] the pages of the groups before its own; its own group's
+    floats up to it in the step's float buffer [U·G] (an entry of G slots per distinct group:
+    the staging slot that opens it, ``float_slots`` [U], then the new tokens, each token's at
+    ``context_slots`` [Rd]), read through ``spans`` [Rd, 4].
     Other rows (prefill chunks through the reference path): ``chunks``, on the host.
     """
 
@@ -142,16 +142,13 @@ class StepPlan:
     sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
     carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
     decode_tokens: torch.Tensor
-    decode_slots: torch.Tensor
-    decode_staged: torch.Tensor
-    context_rows: torch.Tensor
-    context_offsets: torch.Tensor
-    context_tokens: torch.Tensor
+    float_slots: torch.Tensor
+    context_slots: torch.Tensor
     decode_first: tuple[int, ...]  # each decode row's first page (its selection), on the host
     table: torch.Tensor
     held: torch.Tensor
     counts: torch.Tensor
-    spans: torch.Tensor  # [Rd, 4] what the decode kernel reads of its float context
+    spans: torch.Tensor  # [Rd, 4] what each kernel row reads of the float buffer
     chunks: list[Chunk]
 
     @property
@@ -268,7 +265,7 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
     decode = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
     rows_of = _kernel_rows(np.flatnonzero(decode[token_row]), token_row, position, before,
-                           starts, staged, staged_slots, G)
+                           staged_slots, G)
     plan = _Builder(device)
     return StepPlan(
         group=G,
@@ -289,10 +286,12 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         sum_tokens=plan(np.flatnonzero(first_group)),
         sum_sealed=plan(sealing[first_group], torch.bool),
         carry_sums=plan(carry_sums[entry_first]),
-        **{name: plan(values) for name, values in rows_of.items()
-           if name.startswith(("decode_", "context_"))},
+        decode_tokens=plan(rows_of["decode_tokens"]),
+        float_slots=plan(rows_of["float_slots"]),
+        context_slots=plan(rows_of["context_slots"]),
+        spans=plan(rows_of["float_spans"]),
         decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
-        **_history(plan, page, rows_of["row"], rows_of["group"], G, rows_of["offset"]),
+        **_history(plan, page, rows_of["row"], rows_of["group"], G),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
                       page(np.full(done[r], r), np.arange(done[r])).tolist(),
                       int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
@@ -302,41 +301,33 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
 
 
 def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray,
-                 before: np.ndarray, starts: np.ndarray, staged: np.ndarray,
-                 staged_slots: np.ndarray, G: int) -> dict[str, np.ndarray]:
-    """Per kernel row (the step's ``tokens``, each at its ``position``): its request ``row``,
-    its ``group`` and ``offset`` in it, the staged tokens that open its group (a slot and a
-    count: its request's, when its group is the open one) and its group's new tokens up to it
-    (``context_*``: kernel row, offset in the group, token of the step)."""
+                 before: np.ndarray, staged_slots: np.ndarray, G: int) -> dict[str, np.ndarray]:
+    """Per kernel row (the step's ``tokens``, each at its ``position``): its request ``row`` and
+    ``group``; and the step's float buffer: an entry of G slots for each distinct group the
+    rows are in, opened by its staged tokens (``float_slots``: its request's slot where the
+    group is the one open before the step, else 0: none is read), then its new tokens — which
+    are the kernel rows' own tokens, each at ``context_slots``, its entry's slot for its offset.
+    A row reads its entry up to itself (``float_spans``)."""
     row, at = token_row[tokens], position[tokens]
     group, offset = at // G, at % G
-    own = group == before[row] // G  # its group is the one open before the step
-    first_new = np.maximum(group * G, before[row])  # its group's first new token's position
-    count = at - first_new + 1
-    pair = np.repeat(np.arange(len(tokens)), count)
-    into = first_new[pair] + np.arange(len(pair)) - np.repeat(np.cumsum(count) - count, count)
-    return {"row": row, "group": group, "offset": offset,
-            "decode_tokens": tokens,
-            "decode_slots": np.where(own, np.maximum(staged_slots[row], 0), 0),
-            "decode_staged": np.where(own, staged[row], 0),
-            "context_rows": pair,
-            "context_offsets": into - group[pair] * G,
-            "context_tokens": starts[row[pair]] + into - before[row[pair]]}
+    _, first, entry = np.unique(row * (int(group.max(initial=0)) + 1) + group, return_index=True,
+                                return_inverse=True)
+    own = group[first] == before[row[first]] // G
+    spans = np.zeros((len(tokens), 4), dtype=np.int64)
+    spans[:, 2], spans[:, 3] = entry * G, offset + 1
+    return {"row": row, "group": group, "decode_tokens": tokens,
+            "float_slots": np.where(own, np.maximum(staged_slots[row[first]], 0), 0),
+            "context_slots": entry * G + offset, "float_spans": spans}
 
 
-def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int,
-             staged: np.ndarray) -> dict[str, torch.Tensor]:
-    """The kernel rows' block table: pages of groups [0, opened) padded with page 0, and the
-    float context each reads (its group's tokens up to it: ``staged`` + 1)."""
+def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[str, torch.Tensor]:
+    """The kernel rows' block table: pages of groups [0, opened) padded with page 0."""
     width = max(int(opened.max(initial=0)), 1)
     grid = np.broadcast_to(np.arange(width), (len(rows), width))
     valid = grid < opened[:, None]
     table = np.where(valid, page(np.repeat(rows[:, None], width, 1), np.where(valid, grid, 0)),
                      0)
-    spans = np.zeros((len(rows), 4), dtype=np.int64)
-    spans[:, 3] = staged + 1
-    return {"table": plan(table), "held": plan(valid * G), "counts": plan(opened),
-            "spans": plan(spans)}
+    return {"table": plan(table), "held": plan(valid * G), "counts": plan(opened)}
 
 
 class _Builder:
