@@ -144,7 +144,7 @@ class StepPlan:
     decode_tokens: torch.Tensor
     float_slots: torch.Tensor
     context_slots: torch.Tensor
-    decode_first: tuple[int, ...]  # each decode row's first page (its selection), on the host
+    decode_first: tuple[int, ...]  # each kernel row's first page (its selection), on the host
     table: torch.Tensor
     held: torch.Tensor
     counts: torch.Tensor
@@ -263,8 +263,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     first_group = token_g == 0
     entry_first = entry_g == 0
     carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
-    decode = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
-    rows_of = _kernel_rows(np.flatnonzero(decode[token_row]), token_row, position, before,
+    kernel = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
+    rows_of = _kernel_rows(np.flatnonzero(kernel[token_row]), token_row, position, before,
                            staged_slots, G)
     plan = _Builder(device)
     return StepPlan(
@@ -296,7 +296,7 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
                       page(np.full(done[r], r), np.arange(done[r])).tolist(),
                       int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
                       query_blocks(int(before[r]), int(new[r]), G, device))
-                for r in np.flatnonzero(~decode)],
+                for r in np.flatnonzero(~kernel)],
     )
 
 
