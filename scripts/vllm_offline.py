@@ -20,7 +20,7 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("MP", "0"))
 os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # whole GiB: it would override the budget
 
-BUDGET = 90 << 20  # bytes of KV cache
+BUDGET = 90 << 20  # bytes of KV cache (vLLM's pages and, with kvmix, its staging)
 PROMPT, TOKENS = 512, 96
 
 
@@ -28,12 +28,17 @@ def main(model: str, setting: str, prompts: str = "24") -> None:
     import torch
     from vllm import LLM, SamplingParams
 
+    from kvmix.evaluation.vllm_server import staging_bytes
+
     cache = {"kv_cache_dtype": setting} if setting in ("auto", "fp8") else {
         "additional_config": {"kvmix": {"method": setting}}}
-    llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=PROMPT + TOKENS + 1, kv_cache_memory_bytes=BUDGET, seed=0, **cache)
-    g = torch.Generator().manual_seed(0)
     count = int(prompts)
+    # the budget holds the plugin's float staging too (sized by the sequences that may run)
+    pages = BUDGET - staging_bytes(model, f"vllm:{setting}", count)
+    llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=PROMPT + TOKENS + 1, kv_cache_memory_bytes=pages,
+              max_num_seqs=count, seed=0, **cache)
+    g = torch.Generator().manual_seed(0)
 
     def seconds(tokens: int) -> float:
         prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}

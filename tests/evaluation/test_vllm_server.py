@@ -40,3 +40,30 @@ def test_a_missing_vllm_environment_is_reported_in_its_row(tmp_path, tokenizer):
             prompt=16, tokens=[4], vllm_python=str(tmp_path / "no-python")))
     assert len(rows) == 1 and "make vllm" in rows[0]["error"]
     assert rows[0]["method"] == "vllm:kivi2"
+
+
+def test_a_kvmix_row_gives_vllms_pages_the_budget_less_the_plugins_staging(tmp_path, tokenizer):
+    """The plugin stages every running sequence's open group beside vLLM's cache: a vllm:METHOD
+    row caps the sequences at the clients' number and gives vLLM's pages the rest of the
+    budget, so the row holds what ``kvmix serve`` holds in the same bytes (its residuals
+    counted); vLLM's own caches stage nothing."""
+    from transformers import AutoConfig
+
+    memory = 10**8
+    with saved_model(tokenizer) as folder:
+        config = AutoConfig.from_pretrained(folder)
+        head_dim = getattr(config, "head_dim", None) or \
+            config.hidden_size // config.num_attention_heads
+        # kivi2's 32-token group, keys and values in float16, every layer
+        one = config.num_hidden_layers * 32 * 2 * config.num_key_value_heads * head_dim * 2
+        assert vllm_server.staging_bytes(folder, "vllm:kivi2", 1) == one
+        assert vllm_server.staging_bytes(folder, "vllm:fp8", 24) == 0
+        server = vllm_server.VllmServer("python", folder, "vllm:kivi2", memory, 256,
+                                        tmp_path / "log", sequences=24)
+        command = server.command(0)
+        assert server.staging == 24 * one
+        assert command[command.index("--kv-cache-memory-bytes") + 1] == str(memory - 24 * one)
+        assert command[command.index("--max-num-seqs") + 1] == "24"
+        with pytest.raises(vllm_server.VllmMissing, match="staging for 24 sequences"):
+            vllm_server.VllmServer("python", folder, "vllm:kivi2", 24 * one, 256,
+                                   tmp_path / "log", sequences=24)

