@@ -52,18 +52,26 @@ def parse(setting: str) -> str:
 def staging_bytes(model: str, setting: str, sequences: int) -> int:
     """What kvmix's plugin stages beside vLLM's KV cache for ``setting`` on the float32 model
     folder ``model``, with ``sequences`` running at most (0 for vLLM's own caches): the open
-    group of every sequence in every layer (``kvmix.vllm.layer.staging_nbytes``)."""
+    group of every sequence in every layer, in the plugin's default staging dtype (the formula
+    the plugin logs, ``runtime.accounting.open_groups_bytes``)."""
     name = parse(setting)
     if name in OWN:
         return 0
     import torch
-    from transformers import AutoConfig
 
-    from kvmix.vllm.layer import staging_nbytes
-    from kvmix.vllm.settings import settings_for
+    from kvmix.methods import parse_method
+    from kvmix.models.loading import config_rope_pairs, load_config
+    from kvmix.runtime.accounting import open_groups_bytes
+    from kvmix.runtime.cache import model_spec
 
-    config = AutoConfig.from_pretrained(model)
-    return staging_nbytes(settings_for({"method": name}, config, torch.float32), sequences)
+    config, _ = load_config(model)
+    method = parse_method(name)
+    spec = model_spec(config, config_rope_pairs(config))
+    try:
+        method.bind(spec)
+    except ValueError as error:
+        raise VllmMissing(f"{setting} on {model}: {error}") from None
+    return open_groups_bytes(method, spec, method.slot_dtype(torch.float32), sequences)
 
 
 class VllmServer(LocalServer):

@@ -28,7 +28,8 @@ import torch
 
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
-from kvmix.runtime.arena import SlotArena, token_bytes
+from kvmix.runtime.accounting import open_groups_bytes
+from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.kernels import batch, cpu, gpu, triton_unusable
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
@@ -298,11 +299,7 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 def staging_nbytes(settings: Settings, slots: int) -> int:
     """What every layer's staging holds for ``slots`` running sequences: the open group's keys
     and values in the staging dtype, and where the method selects, its query sums."""
-    method, spec = settings.method, settings.spec
-    group = method.group * token_bytes(spec.n_kv_heads, spec.head_dim, settings.staging)
-    probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
-    sums = 0 if probe is None else probe[0].numel() * probe.element_size()
-    return spec.n_layers * slots * (group + sums)
+    return open_groups_bytes(settings.method, settings.spec, settings.staging, slots)
 
 
 def _write(pages: Any, state: Any, index: torch.Tensor) -> None:

@@ -94,8 +94,7 @@ def resolve(vllm_config: Any) -> Settings | None:
 
 def settings_for(raw: dict[str, Any], hf_config: Any, dtype: torch.dtype) -> Settings:
     """The settings of a kvmix entry (``requested``) on a model (its transformers config, its
-    dtype) — what the plugin resolves inside vLLM, and what a caller outside it (``kvmix
-    loadtest``) sizes the staging by; ``Refused`` naming what cannot be honoured."""
+    dtype); ``Refused`` naming what cannot be honoured."""
     text = str(raw["method"])
     method = laid_out(parse_method(text), text)
     # by default the dtype kvmix's own cache keeps its float tail in (``Method.slot_dtype``)
