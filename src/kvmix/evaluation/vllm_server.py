@@ -94,7 +94,8 @@ class VllmServer(LocalServer):
     timeout = 300.0  # vLLM starts in about a minute on 2 cores
 
     def __init__(self, python: str, model: str, setting: str, memory: int, max_model_len: int,
-                 log: Path, sequences: int = 128, extra: tuple[str, ...] | list[str] = ()):
+                 log: Path, sequences: int = 128,  # vLLM's server's default
+                 extra: tuple[str, ...] | list[str] = ()):
         super().__init__(log)
         self.python, self.model, self.setting = python, model, parse(setting)
         self.sequences, self.max_model_len, self.extra = sequences, max_model_len, list(extra)

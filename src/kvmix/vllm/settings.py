@@ -89,16 +89,13 @@ def resolve(vllm_config: Any) -> Settings | None:
     raw = requested(vllm_config)
     if raw is None:
         return None
-    return settings_for(raw, vllm_config.model_config.hf_config, vllm_config.model_config.dtype)
-
-
-def settings_for(raw: dict[str, Any], hf_config: Any, dtype: torch.dtype) -> Settings:
-    """The settings of a kvmix entry (``requested``) on a model (its transformers config, its
-    dtype); ``Refused`` naming what cannot be honoured."""
     text = str(raw["method"])
     method = laid_out(parse_method(text), text)
+    model_config = vllm_config.model_config
+    dtype = model_config.dtype
     # by default the dtype kvmix's own cache keeps its float tail in (``Method.slot_dtype``)
     staging = _staging(raw["staging"], dtype) if "staging" in raw else method.slot_dtype(dtype)
+    hf_config = model_config.hf_config
     folded = getattr(hf_config, CONFIG_KEY, None) or {}
     spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
     if "model" in folded:  # the name the transforms were calibrated for
