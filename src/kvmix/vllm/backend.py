@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.platforms import current_platform
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -32,6 +31,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from kvmix.vllm import SELECTOR
 from kvmix.vllm.layer import LayerCache, kernels, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StepPlan, plan_step
@@ -75,8 +75,17 @@ class KvmixBackend(AttentionBackend):
 
     @staticmethod
     def get_name() -> str:
-        # the registry member this class stands in for (vLLM maps the name back to it)
+        # the registry member this class stands in for (vLLM maps the name back to it), on the
+        # platform in force when asked
+        from vllm.platforms import current_platform
+
         return "CPU_ATTN" if current_platform.is_cpu() else "CUSTOM"
+
+    @classmethod
+    def full_cls_name(cls) -> tuple[str, str]:
+        # vLLM's CUDA platform imports the selected class again from this path: the selector's
+        # member, which resolves to this class again under the engine's configuration
+        return SELECTOR, cls.get_name()
 
     @staticmethod
     def get_impl_cls() -> type[KvmixImpl]:
@@ -164,7 +173,8 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
         self.num_kv_heads, self.kv_cache_dtype = num_kv_heads, kv_cache_dtype
         config = get_current_vllm_config()
         self.settings = resolve(config)
-        refuse(config, self.settings, head_size=head_size, sliding_window=sliding_window,
+        refuse(config, self.settings, head_size=head_size, num_heads=num_heads,
+               num_kv_heads=num_kv_heads, sliding_window=sliding_window,
                kv_cache_dtype=kv_cache_dtype, logits_soft_cap=logits_soft_cap,
                alibi_slopes=alibi_slopes, attn_type=attn_type,
                kv_sharing_target_layer_name=kv_sharing_target_layer_name,
@@ -217,8 +227,15 @@ def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
         (config.kv_transfer_config is not None,
          "a KV connector (it copies blocks' bytes; kvmix lays a layer's pages out field by "
          "field)"),
-        (config.parallel_config.decode_context_parallel_size > 1,
-         "decode context parallelism"),
+        (layer["num_kv_heads"] != settings.spec.n_kv_heads
+         or layer["num_heads"] != settings.spec.n_heads,
+         f"{layer['num_heads']} query and {layer['num_kv_heads']} KV heads in this layer (vLLM's "
+         f"configuration gives {settings.spec.n_heads} and {settings.spec.n_kv_heads} a rank)"),
+        (getattr(config.cache_config, "enable_extensible_kv_cache", False),
+         "vLLM's extensible KV cache (kvmix lays a layer's pages out field by field across the "
+         "layer's whole tensor, past the blocks it commits): start vLLM with "
+         "--no-enable-extensible-kv-cache, or size the cache with --kv-cache-memory-bytes or "
+         "--num-gpu-blocks-override"),
         (settings.prefill == "exact" and config.cache_config.enable_prefix_caching,
          "prefix caching and prefill='exact' (a cached prefix would start a prompt's first "
          "computed chunk past its first token, attending as decodes: disable prefix caching)"),

