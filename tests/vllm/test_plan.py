@@ -51,8 +51,9 @@ class Run:
     """Random queries, keys, values of each sequence, fed to a ``LayerCache`` step by step."""
 
     def __init__(self, settings: Settings, seed: int = 0, schedule=SCHEDULE,
-                 device: str = "cpu"):
+                 device: str = "cpu", by_request: bool = False):
         self.settings, self.method, self.schedule = settings, settings.method, schedule
+        self.by_request = by_request  # staging slots are vLLM's request slots (V2's req_idx)
         self.device = torch.device(device)
         lengths = np.array(schedule).sum(0)
         g = torch.Generator().manual_seed(seed)
@@ -83,7 +84,8 @@ class Run:
             lengths = done[rows] + new
             plan = plan_step(self.staging, self.method.group, BLOCK, starts, lengths,
                              self.table[rows], self.device, self.cache.kernels != "torch",
-                             self.settings.prefill == "exact")
+                             self.settings.prefill == "exact",
+                             np.array(rows) if self.by_request else None)
             spans = [slice(done[s], done[s] + step[s]) for s in rows]
             query, key, value = (torch.cat([x[s][span] for s, span in zip(rows, spans,
                                                                             strict=True)])
@@ -165,6 +167,21 @@ def check(run: Run) -> None:
 @pytest.mark.parametrize("name", METHODS)
 def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
     check(Run(settings_for(name)).run())
+
+
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
+def test_staging_by_request_slot_gives_the_same_pages_and_outputs(name):
+    """Model Runner V2 names each row's request slot: the staging slot is that, nothing kept."""
+    by_request = Run(settings_for(name), by_request=True).run()
+    check(by_request)
+    assert by_request.staging.page_of.tolist() == [-1] * SEQUENCES  # the book is not used
+
+
+def test_requests_skipped_by_the_scheduler_keep_their_staging_by_request_slot():
+    """Every slot holding an open group, requests left out of steps (vLLM's token budget spent)
+    while another seals and opens groups: each comes back to its own staged tokens."""
+    skipped = [[5, 3, 6], [0, 1, 0], [0, 0, 16], [0, 0, 3], [1, 1, 1], [1, 0, 0]]
+    check(Run(settings_for("kivi2"), schedule=skipped, by_request=True).run())
 
 
 @pytest.mark.parametrize("tokens", [G, 2 * G + 1])
@@ -314,6 +331,41 @@ def test_a_reclaimed_open_group_is_never_read():
     assert plan.staged_slots.unique().numel() == 1
     with pytest.raises(StagingLost, match="max_num_seqs"):
         step([0, 1], [3, 3], [1, 1])  # one of the first two lost its staged tokens
+
+
+def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were():
+    """vLLM's warm-up and graph-capture runs (Model Runner V2's dummy batches: every row's
+    table on the null block 0, no context, unpadded counts): the builder plans nothing."""
+    from types import SimpleNamespace
+
+    from kvmix.vllm.backend import KvmixMetadataBuilder, NULL_BLOCK
+
+    run = Run(settings_for("pnmix1"), schedule=SCHEDULE[:3]).run()
+    builder = KvmixMetadataBuilder.__new__(KvmixMetadataBuilder)
+    builder.settings, builder.block_size, builder.staging = run.settings, BLOCK, run.staging
+    builder.fused, builder.device = True, torch.device("cpu")
+    builder.idle = plan_step(Staging(0), G, BLOCK, np.zeros(1, np.int64),
+                             np.zeros(0, np.int64), np.zeros((0, 1), np.int64), builder.device)
+    rows, tokens = 4, 6
+    starts = torch.tensor([0, 1, 2, 3, tokens])
+    meta = SimpleNamespace(num_reqs=rows, num_actual_tokens=tokens, query_start_loc_cpu=starts,
+                           seq_lens=starts.diff(), seq_lens_cpu_upper_bound=starts.diff(),
+                           block_table_tensor=torch.full((rows, 8), NULL_BLOCK),
+                           req_idx=np.arange(rows))
+    staged = [t.clone() for t in run.cache.staged.take(torch.arange(SEQUENCES * G))]
+    pages = run.cache.cache.clone()
+    book = run.staging.page_of.copy(), run.staging.slot_of.copy(), run.staging.step
+    plan = builder.build(0, meta).plan
+    q = torch.randn(tokens, HQ, D)
+    kv = torch.randn(tokens, H, D)
+    run.cache.step(plan, q, kv, kv, D**-0.5, torch.zeros_like(q))
+    assert plan.sealed == 0 and plan.decode_tokens.numel() == 0 and not plan.chunks
+    assert torch.equal(run.cache.cache, pages)
+    for before, after in zip(staged, run.cache.staged.take(torch.arange(SEQUENCES * G)),
+                             strict=True):
+        assert torch.equal(before, after)
+    assert (run.staging.page_of.tolist(), run.staging.slot_of.tolist(), run.staging.step) == \
+        (book[0].tolist(), book[1].tolist(), book[2])
 
 
 def test_a_full_staging_with_every_slot_in_the_step_is_refused():

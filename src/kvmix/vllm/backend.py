@@ -32,12 +32,13 @@ from vllm.v1.attention.backend import (
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvmix.vllm import SELECTOR
-from kvmix.vllm.layer import LayerCache, kernels, staging_nbytes
+from kvmix.vllm.layer import LayerCache, OpenGroups, kernels, staging_nbytes
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StepPlan, plan_step
 from kvmix.vllm.settings import Refused, Settings, resolve
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
+NULL_BLOCK = 0  # vLLM's block pool never hands block 0 to a request
 
 
 _BOUND: dict[tuple, type[KvmixBackend]] = {}
@@ -141,22 +142,27 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
         self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
                              settings.dtype, device) != "torch"
-        logger.info("kvmix: %s in vLLM's cache, %d bytes a page of %d tokens; float staging of "
-                    "each running sequence's open group (%s): %d sequences, %.1f MiB",
-                    settings.text, page_bytes(settings, settings.dtype), settings.group,
-                    settings.staging, slots, staging_nbytes(settings, slots) / 2**20)
+        none = np.zeros(0, dtype=np.int64)
+        self.idle = plan_step(Staging(0), settings.group, self.block_size, np.zeros(1, np.int64),
+                              none, np.zeros((0, 1), np.int64), device)
+        logger.info("%s", startup_line(vllm_config, settings, kv_cache_spec, device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KvmixMetadata:
-        meta = common_attn_metadata
-        starts = meta.query_start_loc_cpu.numpy().astype(np.int64)
+        meta, rows = common_attn_metadata, common_attn_metadata.num_reqs
+        starts = meta.query_start_loc_cpu[: rows + 1].numpy().astype(np.int64)
         lengths = meta.seq_lens_cpu_upper_bound if meta.seq_lens_cpu_upper_bound is not None \
             else meta.seq_lens
-        table = meta.block_table_tensor[: meta.num_reqs]
+        table = meta.block_table_tensor[:rows].cpu().numpy().astype(np.int64)
+        requests = getattr(meta, "req_idx", None)
+        if rows and (table[:, 0] == NULL_BLOCK).all():
+            # a dummy batch (vLLM's warm-up, profile and graph-capture runs: every row on the
+            # null block): attends to nothing, changes nothing
+            return KvmixMetadata(self.idle, meta.num_actual_tokens)
         plan = plan_step(self.staging, self.settings.group, self.block_size, starts,
-                         lengths.cpu().numpy().astype(np.int64)[: meta.num_reqs],
-                         table.cpu().numpy().astype(np.int64), self.device, self.fused,
-                         self.settings.prefill == "exact")
+                         lengths.cpu().numpy().astype(np.int64)[:rows], table, self.device,
+                         self.fused, self.settings.prefill == "exact",
+                         None if requests is None else np.asarray(requests)[:rows])
         return KvmixMetadata(plan, meta.num_actual_tokens)
 
 
@@ -182,6 +188,9 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
         self.dtype = config.model_config.dtype
         self.slots = config.scheduler_config.max_num_seqs
         self.block_size = config.cache_config.block_size
+        # the staging now, while vLLM builds the model: inside the memory it profiles
+        self.device = torch.device(config.device_config.device)
+        self.open_groups = OpenGroups.allocate(self.settings, self.slots, self.device)
         self.cache: LayerCache | None = None
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
@@ -201,9 +210,29 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
     def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> LayerCache:
         if self.cache is None:
             self.cache = LayerCache(self.settings, extract_layer_index(layer.layer_name),
-                                    self.dtype, self.slots, self.block_size, kv_cache.device)
+                                    self.dtype, self.slots, self.block_size, kv_cache.device,
+                                    self.open_groups)
         self.cache.bind(kv_cache)
         return self.cache
+
+
+def startup_line(config: VllmConfig, settings: Settings, spec: AttentionSpec,
+                 device: torch.device) -> str:
+    """What the plugin set up, for vLLM's log: method, bits, page bytes, the tokens the cache
+    holds (when vLLM has sized it in this process), the staging and the kernels."""
+    method, slots = settings.method, config.scheduler_config.max_num_seqs
+    keys, values = max((method.bits(layer, settings.dtype)
+                        for layer in range(settings.spec.n_layers)), key=sum)
+    blocks = config.cache_config.num_gpu_blocks
+    held = f"{blocks} blocks of {spec.block_size} = {blocks * spec.block_size} tokens a rank" \
+        if blocks else "blocks as vLLM sizes them"
+    chosen = kernels(settings.kernels, method, settings.spec.head_dim, settings.dtype, device)
+    return (f"kvmix: {settings.text} ({keys:.2f} bits a key element, {values:.2f} a value; "
+            f"{settings.spec.n_kv_heads} KV heads a rank) in vLLM's cache: "
+            f"{page_bytes(settings, settings.dtype)} bytes a page of {settings.group} tokens, "
+            f"{held}; float staging ({str(settings.staging).removeprefix('torch.')}) of each "
+            f"running sequence's open group: {slots} sequences, "
+            f"{staging_nbytes(settings, slots) / 2**20:.1f} MiB; kernels: {chosen}")
 
 
 def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:

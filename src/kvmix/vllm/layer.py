@@ -22,6 +22,7 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,27 +38,42 @@ from kvmix.vllm.pages import Page, layout
 from kvmix.vllm.plan import Chunk, StepPlan
 from kvmix.vllm.settings import Refused, Settings
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
+
+
+@dataclass
+class OpenGroups:
+    """A layer's float staging: keys, values [1, H, slots · G, D] (each running sequence's open
+    group, an extent each) and, where the method selects, query sums [slots, H, C]."""
+
+    groups: SlotArena
+    sums: torch.Tensor | None
+
+    @classmethod
+    def allocate(cls, settings: Settings, slots: int, device: torch.device) -> OpenGroups:
+        method, spec = settings.method, settings.spec
+        groups = SlotArena("the staging of a layer")
+        groups.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
+                        settings.staging, device, fixed=True)
+        groups.add([method.group] * slots)
+        probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
+        sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
+                                                          device=device)
+        return cls(groups, sums)
 
 
 class LayerCache:
     """kvmix's state of one attention layer (``layer``) inside vLLM."""
 
     def __init__(self, settings: Settings, layer: int, dtype: torch.dtype, slots: int,
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, staging: OpenGroups | None = None):
         method, spec = settings.method, settings.spec
         self.method, self.layer, self.dtype = method, layer, dtype
         self.layout = layout(method, spec, layer, dtype)
         self.per_block, self.device = block_size // method.group, device
-        # keys, values [1, H, slots · G, D]: each running sequence's open group, an extent each
-        self.staged = SlotArena(f"the staging of layer {layer}")
-        self.staged.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
-                             settings.staging, device, fixed=True)
-        self.staged.add([method.group] * slots)
+        staging = staging or OpenGroups.allocate(settings, slots, device)
+        self.staged, self.sums = staging.groups, staging.sums
         self.within = torch.arange(method.group, device=device)  # a group's slots
-        probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
-        self.sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
-                                                               device=device)
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
         self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)

@@ -208,11 +208,16 @@ def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Bloc
 
 def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
               lengths: np.ndarray, block_table: np.ndarray, device: torch.device,
-              fused: bool = False, exact: bool = False) -> StepPlan:
+              fused: bool = False, exact: bool = False,
+              requests: np.ndarray | None = None) -> StepPlan:
     """The plan of one step. starts [R + 1]: each row's first token (vLLM's query_start_loc);
     lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W];
     ``fused``: prefill chunks' tokens are kernel rows too, but for a prompt's first chunk when
-    it attends in float (``exact``)."""
+    it attends in float (``exact``); ``requests`` [R]: each row's request slot in vLLM's model
+    runner (Model Runner V2's ``req_idx``), which is then its staging slot: held by the request
+    from its first step to vLLM's removal of it (finished, aborted or preempted), scheduled in
+    a step or not, and handed to the next request only then — ``staging`` is not used. Without
+    it (vLLM's V1 runner) slots follow pages through ``staging``."""
     G, per_block = group, block_size // group
     new = np.diff(starts)  # [R]
     before = lengths - new  # c
@@ -227,7 +232,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     every = np.arange(rows)
     staged_slots = np.full(rows, -1, dtype=np.int64)
     has = staged > 0
-    staged_slots[has] = staging.find(page(every[has], opened[has]))
+    staged_slots[has] = requests[has] if requests is not None else \
+        staging.find(page(every[has], opened[has]))
     lost = has & (staged_slots < 0)
     if lost.any():
         raise StagingLost(f"kvmix: the open group of {int(lost.sum())} running request(s) was "
@@ -244,12 +250,15 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     opening = tail & ~continuing
     final_slots = staged_slots.copy()
     final_slots[~tail] = -1
-    # the slots of groups sealed now are free for groups opening now (a layer reads every
-    # staged token before it stages new ones), and stale slots of ended requests go back too
-    staging.give_back(seal_pages)
-    opening_pages = page(every[opening], done[opening])
-    final_slots[opening] = staging.take(opening_pages, keep=staged_slots[continuing])
-    staging.touch(np.concatenate([staged_slots, final_slots]))
+    if requests is not None:
+        final_slots[opening] = requests[opening]
+    else:
+        # the slots of groups sealed now are free for groups opening now (a layer reads every
+        # staged token before it stages new ones), and stale slots of ended requests go back
+        staging.give_back(seal_pages)
+        opening_pages = page(every[opening], done[opening])
+        final_slots[opening] = staging.take(opening_pages, keep=staged_slots[continuing])
+        staging.touch(np.concatenate([staged_slots, final_slots]))
     # tokens
     token_row = np.repeat(every, new)
     position = before[token_row] + np.arange(len(token_row)) - starts[token_row]
