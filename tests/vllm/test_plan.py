@@ -338,7 +338,7 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were()
     table on the null block 0, no context, unpadded counts): the builder plans nothing."""
     from types import SimpleNamespace
 
-    from kvmix.vllm.backend import KvmixMetadataBuilder, NULL_BLOCK
+    from kvmix.vllm.backend import NULL_BLOCK, KvmixMetadataBuilder
 
     run = Run(settings_for("pnmix1"), schedule=SCHEDULE[:3]).run()
     builder = KvmixMetadataBuilder.__new__(KvmixMetadataBuilder)
