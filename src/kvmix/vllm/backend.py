@@ -50,7 +50,7 @@ def backend_for(vllm_config: VllmConfig) -> type[KvmixBackend]:
     as ``customize_spec`` while it sizes the cache)."""
     settings = resolve(vllm_config)
     key = (settings.text, settings.staging, settings.dtype, vllm_config.model_config.model,
-           settings.spec.name)
+           settings.spec.name, settings.spec.n_heads, settings.spec.n_kv_heads)
     if key not in _BOUND:
         _BOUND[key] = type("KvmixBackend", (KvmixBackend,), {"settings": settings})
     return _BOUND[key]
