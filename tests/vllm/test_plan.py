@@ -344,8 +344,7 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were()
     builder = KvmixMetadataBuilder.__new__(KvmixMetadataBuilder)
     builder.settings, builder.block_size, builder.staging = run.settings, BLOCK, run.staging
     builder.fused, builder.device = True, torch.device("cpu")
-    builder.idle = plan_step(Staging(0), G, BLOCK, np.zeros(1, np.int64),
-                             np.zeros(0, np.int64), np.zeros((0, 1), np.int64), builder.device)
+    builder.idle = plan.idle_plan(G, BLOCK, builder.device)
     rows, tokens = 4, 6
     starts = torch.tensor([0, 1, 2, 3, tokens])
     meta = SimpleNamespace(num_reqs=rows, num_actual_tokens=tokens, query_start_loc_cpu=starts,
@@ -355,11 +354,11 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were()
     staged = [t.clone() for t in run.cache.staged.take(torch.arange(SEQUENCES * G))]
     pages = run.cache.cache.clone()
     book = run.staging.page_of.copy(), run.staging.slot_of.copy(), run.staging.step
-    plan = builder.build(0, meta).plan
+    built = builder.build(0, meta).plan
     q = torch.randn(tokens, HQ, D)
     kv = torch.randn(tokens, H, D)
-    run.cache.step(plan, q, kv, kv, D**-0.5, torch.zeros_like(q))
-    assert plan.sealed == 0 and plan.decode_tokens.numel() == 0 and not plan.chunks
+    run.cache.step(built, q, kv, kv, D**-0.5, torch.zeros_like(q))
+    assert built.sealed == 0 and built.decode_tokens.numel() == 0 and not built.chunks
     assert torch.equal(run.cache.cache, pages)
     for before, after in zip(staged, run.cache.staged.take(torch.arange(SEQUENCES * G)),
                              strict=True):

@@ -29,10 +29,9 @@ def register() -> None:
     from kvmix.vllm import selector
 
     for member in AttentionBackendEnum:
-        path = f"{SELECTOR}.{member.name}"
         if member.name not in selector.FALLBACK:
             selector.FALLBACK[member.name] = _path_or_none(member)
-        register_backend(member, path)
+        register_backend(member, f"{SELECTOR}.{member.name}")
 
 
 def _path_or_none(member) -> str | None:

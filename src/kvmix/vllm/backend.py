@@ -34,7 +34,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from kvmix.vllm import SELECTOR
 from kvmix.vllm.layer import LayerCache, OpenGroups, kernels, staging_nbytes
 from kvmix.vllm.pages import layout
-from kvmix.vllm.plan import Staging, StepPlan, plan_step
+from kvmix.vllm.plan import Staging, StepPlan, idle_plan, plan_step
 from kvmix.vllm.settings import Refused, Settings, resolve
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
@@ -142,9 +142,7 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
         self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
                              settings.dtype, device) != "torch"
-        none = np.zeros(0, dtype=np.int64)
-        self.idle = plan_step(Staging(0), settings.group, self.block_size, np.zeros(1, np.int64),
-                              none, np.zeros((0, 1), np.int64), device)
+        self.idle = idle_plan(settings.group, self.block_size, device)
         logger.info("%s", startup_line(vllm_config, settings, kv_cache_spec, device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,

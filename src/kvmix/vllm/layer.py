@@ -66,13 +66,13 @@ class LayerCache:
     """kvmix's state of one attention layer (``layer``) inside vLLM."""
 
     def __init__(self, settings: Settings, layer: int, dtype: torch.dtype, slots: int,
-                 block_size: int, device: torch.device, staging: OpenGroups | None = None):
+                 block_size: int, device: torch.device, open_groups: OpenGroups | None = None):
         method, spec = settings.method, settings.spec
         self.method, self.layer, self.dtype = method, layer, dtype
         self.layout = layout(method, spec, layer, dtype)
         self.per_block, self.device = block_size // method.group, device
-        staging = staging or OpenGroups.allocate(settings, slots, device)
-        self.staged, self.sums = staging.groups, staging.sums
+        open_groups = open_groups or OpenGroups.allocate(settings, slots, device)
+        self.staged, self.sums = open_groups.groups, open_groups.sums
         self.within = torch.arange(method.group, device=device)  # a group's slots
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None

@@ -309,6 +309,13 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     )
 
 
+def idle_plan(group: int, block_size: int, device: torch.device) -> StepPlan:
+    """The plan of a step with no rows: a dummy batch's (it attends to nothing, changes
+    nothing)."""
+    return plan_step(Staging(0), group, block_size, np.zeros(1, np.int64), np.zeros(0, np.int64),
+                     np.zeros((0, 1), np.int64), device)
+
+
 def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray,
                  before: np.ndarray, staged_slots: np.ndarray, G: int) -> dict[str, np.ndarray]:
     """Per kernel row (the step's ``tokens``, each at its ``position``): its request ``row`` and

@@ -114,17 +114,18 @@ def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> Mo
     them (``get_num_kv_heads``: KV heads split, or replicated one a rank when fewer than the
     ranks); ``Refused`` for the parallelism kvmix does not serve."""
     parallel, model = vllm_config.parallel_config, vllm_config.model_config
-    unserved = [(f"{name} {size}", why) for name, size, why in (
-        ("--pipeline-parallel-size", parallel.pipeline_parallel_size,
-         "untested: each stage would hold its own staging"),
-        ("--prefill-context-parallel-size", getattr(parallel, "prefill_context_parallel_size", 1),
-         "a rank would hold part of each group"),
-        ("--decode-context-parallel-size", getattr(parallel, "decode_context_parallel_size", 1),
-         "a rank would hold part of each group")) if size > 1]
-    if unserved:
-        what, why = unserved[0]
-        raise Refused(f"kvmix method {text!r} cannot run with {what} ({why}); tensor "
-                      "parallelism is served")
+    for flag, size, why in (
+            ("--pipeline-parallel-size", parallel.pipeline_parallel_size,
+             "untested: each stage would hold its own staging"),
+            ("--prefill-context-parallel-size",
+             getattr(parallel, "prefill_context_parallel_size", 1),
+             "a rank would hold part of each group"),
+            ("--decode-context-parallel-size",
+             getattr(parallel, "decode_context_parallel_size", 1),
+             "a rank would hold part of each group")):
+        if size > 1:
+            raise Refused(f"kvmix method {text!r} cannot run with {flag} {size} ({why}); "
+                          "tensor parallelism is served")
     heads, kv_heads = (model.get_num_attention_heads(parallel),
                        model.get_num_kv_heads(parallel))
     if parallel.tensor_parallel_size > 1 and method.name == "wush":
