@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 
-.PHONY: run test check test-vllm vllm lint clean engine engine-check
+.PHONY: run test check test-vllm vllm lint docs clean engine engine-check
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,8 @@ WORKERS ?= 2
 PARALLEL := -n $(WORKERS) --dist loadgroup
 
 test: $(STAMP) $(VLLM_STAMP)
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests scripts
+	$(MAKE) docs
 	$(BIN)/python -m pytest -q $(PARALLEL) $(DURATIONS) --ignore=tests/vllm
 	$(MAKE) test-vllm
 
@@ -78,8 +79,14 @@ engine: $(STAMP)
 engine-check: engine
 	$(BIN)/python scripts/engine_check.py --out results/engine-check
 
+# The docs site (mkdocs-material): the CLI and /metrics references, the methods table and the
+# benchmark pages are generated at build from the code and docs/benchmarks/runs/; --strict
+# fails on a broken link or anchor and on a page missing from the navigation.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --quiet --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) results site build dist .pytest_cache

@@ -6,11 +6,13 @@ import argparse
 import sys
 
 from kvmix.commands import COMMANDS
+from kvmix.evaluation import report
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    report.invocation = ["kvmix", *(sys.argv[1:] if argv is None else argv)]
     try:
         args.run(args)
     except ValueError as error:

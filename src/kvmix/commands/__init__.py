@@ -18,10 +18,12 @@ from kvmix.commands import (
     plan,
     recommend,
     recon,
+    report,
     serve,
     sweep,
     transforms,
 )
 
 COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
-            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve, loadtest)
+            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve, loadtest,
+            report)

@@ -12,7 +12,19 @@ def add_parser(commands) -> None:
     parser.set_defaults(run=lambda args: run_methods())
 
 
+COLUMNS = {"method": "method", "about": "about", "bits": "bits per element",
+           "fast_path": "fast path", "parameters": "parameters"}
+
+
 def run_methods() -> list[dict]:
+    rows = method_rows()
+    print_table("kvmix methods", rows, COLUMNS)
+    print(f"CPU decode op: {cpu.describe()}")
+    return rows
+
+
+def method_rows() -> list[dict]:
+    """Every registered method and preset: what it is, its bit formula and parameters."""
     rows = [{"method": name, "about": cls.summary, "bits": cls.describe(),
              "fast_path": cls.fast_path,
              "parameters": ", ".join(f"{k}={_show(v)}" for k, v in parameters(cls).items())}
@@ -20,10 +32,6 @@ def run_methods() -> list[dict]:
     rows += [{"method": name, "about": f"preset of {cls.name}",
               "parameters": ", ".join(f"{k}={v}" for k, v in params.items())}
              for name, (cls, params) in presets().items()]
-    print_table("kvmix methods", rows, {"method": "method", "about": "about",
-                                        "bits": "bits per element", "fast_path": "fast path",
-                                        "parameters": "parameters"})
-    print(f"CPU decode op: {cpu.describe()}")
     return rows
 
 

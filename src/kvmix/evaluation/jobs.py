@@ -85,10 +85,12 @@ def finish(command: str, config: Any, model: LoadedModel | dict, rows: list[dict
     """Print the table; with ``config.out`` write results.json and say where. ``model``: the
     loaded model, or what ``model_info`` said of it (a grid's workers hold it)."""
     info = model if isinstance(model, dict) else model_info(model)
-    print_table(f"kvmix {command} · {info['name']} · {title}", rows, columns)
+    title = f"kvmix {command} · {info['name']} · {title}"
+    print_table(title, rows, columns)
     if not config.out:
         return None
     data = {"data": {"name": config.data}} if uses_data else {}
-    path = write_results(config.out, command, config, rows, model=info, **data, **extra)
+    path = write_results(config.out, command, config, rows, (title, columns), model=info,
+                         **data, **extra)
     console.print(f"wrote {path}")
     return path
