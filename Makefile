@@ -83,7 +83,7 @@ engine-check: engine
 # benchmark pages are generated at build from the code and docs/benchmarks/runs/; --strict
 # fails on a broken link or anchor and on a page missing from the navigation.
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --quiet --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir site
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests

@@ -3,7 +3,7 @@ default model's GGUF does not travel to the device):
 
 1. ``kvmix bench --throughput`` on it: kvmix's caches through ``generate`` beside
    DynamicCache, at batch 1/8/32 and at each cache's largest batch within the budget;
-2. served: ``--requests`` prompts of ``--prompt`` random tokens, ``--tokens`` new tokens each,
+2. served: ``--requests`` prompts of ``--prompt-tokens`` random tokens, ``--new-tokens`` each,
    through kvmix's continuous batching (kivi2, pnmix1) and through transformers' own paged
    float continuous batching with its CUDA graphs on, each with ``--memory`` of cache:
    output tokens/s and the ratio to transformers' (``served.json``).
@@ -55,8 +55,8 @@ def main() -> None:
     parser.add_argument("--batch", default="1,8,32")
     parser.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--prompt", type=int, default=1024)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(0)
@@ -64,9 +64,9 @@ def main() -> None:
     loaded = LoadedModel(model, RandomTokens(SHAPE["vocab_size"]), "random-llama-1b-8l",
                          "random weights from a LlamaConfig", dtype)
     config = BenchConfig(methods=["full", "kivi2", "pnmix1"], baselines=["dynamic"],
-                         prompt=[2048], tokens=256, throughput=True, memory=args.memory,
-                         batch=[int(b) for b in args.batch.split(",")], new_tokens=16,
-                         warmup=2, rounds=2, backend=["triton"], device="cuda",
+                         prompt_tokens=[2048], budget_tokens=256, throughput=True,
+                         memory=args.memory, batch=[int(b) for b in args.batch.split(",")],
+                         new_tokens=16, warmup=2, rounds=2, backend=["triton"], device="cuda",
                          dtype=args.dtype, out=args.out)
     run_bench(config, loaded=loaded)
     served(model, args)
@@ -76,22 +76,22 @@ def served(model, args) -> None:
     """Output tokens/s of continuous batching at equal memory (see the module docstring)."""
     memory = parse_memory(args.memory)
     generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, SHAPE["vocab_size"], (args.prompt,), generator=generator)
+    prompts = [torch.randint(3, SHAPE["vocab_size"], (args.prompt_tokens,), generator=generator)
                .tolist() for _ in range(args.requests)]
-    length = args.prompt + args.tokens
+    length = args.prompt_tokens + args.new_tokens
     managers = {"transformers+graphs": lambda: TransformersManager(
-        model, memory, args.tokens, cuda_graphs=True)}
+        model, memory, args.new_tokens, cuda_graphs=True)}
     managers |= {method: lambda method=method: KVMixManager(
-        model, method, memory, "triton", args.tokens, length=length)
+        model, method, memory, "triton", args.new_tokens, length=length)
         for method in ("kivi2", "pnmix1")}
     rows = []
     for name, make in managers.items():
         row = {"server": name, "memory": memory, "requests": args.requests,
-               "prompt": args.prompt, "tokens": args.tokens}
+               "prompt": args.prompt_tokens, "tokens": args.new_tokens}
         try:
             manager = make()
             start = time.perf_counter()
-            results = manager.complete(prompts, args.tokens)
+            results = manager.complete(prompts, args.new_tokens)
             seconds = time.perf_counter() - start
             row["output_tokens_per_s"] = sum(len(r.generated_tokens) for r in results) / seconds
             row["seconds"] = seconds

@@ -140,7 +140,7 @@ def test_bench_times_decode_only_and_reports_memory(real_model, tmp_path, model_
     """The timed window must hold exactly the new tokens (no prefill, no warmup)."""
     from kvmix.commands.bench import BenchConfig, run_bench
 
-    rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt=[96],
+    rows = run_bench(BenchConfig(methods=["full", "kivi2:residual=32"], prompt_tokens=[96],
                                  baselines=["dynamic"], new_tokens=4, warmup=2, rounds=2,
                                  backend=["torch", "cpu"], out=str(tmp_path)), loaded=real_model)
     assert [(r["method"], r["backend"]) for r in rows] == [
@@ -406,7 +406,7 @@ def test_eval_smoke_passkey_limit_one(real_model, tmp_path):
     from kvmix.commands.harness import EvalConfig, run_eval
 
     rows = run_eval(EvalConfig(methods=["full", "kivi4"], tasks=["kvmix_passkey"], limit=1,
-                               lengths=[256], out=str(tmp_path)), real_model)
+                               prompt_tokens=[256], out=str(tmp_path)), real_model)
     assert [(r["task"], r["metric"]) for r in rows] == [("kvmix_passkey", "acc")] * 2
     full, kivi4 = rows  # 4 bits on 256 tokens (128 of them quantized) answers as the float cache
     assert kivi4["value"] == full["value"] and 0 < kivi4["nbytes"] < full["nbytes"]
@@ -461,8 +461,8 @@ def test_throughput_fits_more_sequences_in_the_same_memory(real_model, tmp_path,
     equal-memory ratios are ratios of largest batches."""
     from kvmix.commands.bench import BenchConfig, run_bench
 
-    rows = run_bench(BenchConfig(methods=["kivi2:residual=32"], prompt=[64], tokens=32,
-                                 throughput=True, memory="10MB", batch=[1, 2],
+    rows = run_bench(BenchConfig(methods=["kivi2:residual=32"], prompt_tokens=[64],
+                                 budget_tokens=32, throughput=True, memory="10MB", batch=[1, 2],
                                  baselines=["dynamic"], new_tokens=2, warmup=1, rounds=1,
                                  backend=["cpu"], out=str(tmp_path)), loaded=real_model)
     by = {(r["method"], r["group"], r["batch"]): r for r in rows}

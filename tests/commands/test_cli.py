@@ -1,8 +1,9 @@
+import re
 import sys
 
 import pytest
 
-from kvmix.cli import main
+from kvmix.cli import _parser, main, subcommands
 from kvmix.evaluation.data import load_text, token_ids
 from kvmix.methods import split_methods
 
@@ -27,7 +28,8 @@ def test_methods_lists_every_method_and_preset(capsys):
     (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
       "kivi2:sink=4"], "--engine vllm sets sink itself"),
     (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
-    (["bench", "--prompt", "1024,x"], "prompt='1024,x' is invalid; expected comma-separated int"),
+    (["bench", "--prompt-tokens", "1024,x"],
+     "prompt_tokens='1024,x' is invalid; expected comma-separated int"),
     (["bench", "--rounds", "0"], "rounds=0 is invalid; expected >= 1"),
     (["bench", "--shape", "32,5,128"], "shape='32,5,128' is invalid; expected positive heads"),
     (["bench", "--shape", "32,8"], "shape='32,8' is invalid; expected HEADS,KV_HEADS,HEAD_DIM"),
@@ -94,3 +96,39 @@ def test_the_op_bench_times_synthetic_caches_beside_sdpa_and_the_float_kernel(tm
         assert rows["sdpa", batch]["encode_us"] is None  # nothing to encode
         assert isinstance(rows["kivi2", batch]["encode_us"], float)
     assert rows["kivi2", 2]["nbytes"] > 1.9 * rows["kivi2", 1]["nbytes"]
+
+
+def test_version_prints_the_packages_version(capsys):
+    import kvmix
+
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0
+    assert capsys.readouterr().out == f"kvmix {kvmix.__version__}\n"
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", kvmix.__version__)
+
+
+def test_every_flag_of_every_command_has_help():
+    commands = subcommands(_parser())
+    assert len(commands) == 20
+    bare = [f"kvmix {name} {'/'.join(action.option_strings) or action.dest}"
+            for name, command in commands.items() for action in command._actions
+            if not (action.help or "").strip()]
+    assert bare == []
+    assert all(command.description for command in commands.values())
+
+
+def test_help_lists_every_command_under_its_group(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "The ``kvmix`` command line" not in out  # the module docstring is not the help
+    groups = [line for line in out.splitlines() if line.endswith(":") and
+              not line.startswith(" ")]
+    assert groups[:3] == ["measure methods against the float cache:",
+                          "choose, deploy and serve:", "research studies:"]
+    studies = out.split("research studies:")[1].split("\n\n")[0]
+    assert {line.split()[0] for line in studies.strip().splitlines()} == {
+        "sweep", "criteria", "pairscore", "keyfirst", "norms", "recon", "transforms"}
+    for name in subcommands(_parser()):
+        assert re.search(rf"^  {name} ", out, re.MULTILINE), name

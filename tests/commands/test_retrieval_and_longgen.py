@@ -100,7 +100,7 @@ def test_answers_are_scored_by_their_first_number():
 
 
 def test_needle_grid_rows_and_heatmaps(loaded, tmp_path):
-    config = NeedleConfig(methods=["full", method_string("kivi2")], lengths=[400, 500],
+    config = NeedleConfig(methods=["full", method_string("kivi2")], prompt_tokens=[400, 500],
                           depths=[0.2, 0.8], samples=2, kind="kv", out=str(tmp_path / "new"))
     rows = run_needle(config, loaded)
     assert [(r["length"], r["depth"]) for r in rows[:4]] == [(400, 0.2), (400, 0.8),
@@ -110,8 +110,9 @@ def test_needle_grid_rows_and_heatmaps(loaded, tmp_path):
 
 
 @pytest.mark.parametrize("config, message", [
-    (NeedleConfig(lengths=[100_000]), r"lengths=100000 is invalid; valid: \d+\.\.504"),
-    (NeedleConfig(lengths=[50]), r"lengths=50 is invalid; valid: \d+\.\.504 \(the passkey"),
+    (NeedleConfig(prompt_tokens=[100_000]), r"prompt_tokens=100000 is invalid; valid: \d+\.\.504"),
+    (NeedleConfig(prompt_tokens=[50]),
+     r"prompt_tokens=50 is invalid; valid: \d+\.\.504 \(the passkey"),
     (LonggenConfig(new_tokens=500, prompt_tokens=30, prompts=1),
      "new_tokens=500 after a 30-token prompt exceeds the model's 512 positions"),
 ])
@@ -142,7 +143,7 @@ def test_bad_arguments_fail_before_the_model_loads(argv, message, capsys):
     (["eval", "--tasks", "nosuch_task"], "tasks=nosuch_task unknown; valid local ones: "
                                          "kvmix_passkey, niah_single_1, ruler_vt"),
     (["eval", "--limit", "0"], "limit=0 is invalid"),
-    (["eval", "--lengths", "10"], "lengths=10 is invalid; expected >= 64 tokens"),
+    (["eval", "--prompt-tokens", "10"], "prompt_tokens=10 is invalid; expected >= 64 tokens"),
 ])
 def test_eval_bad_arguments_fail_before_the_model_loads(argv, message, capsys):
     pytest.importorskip("lm_eval")

@@ -83,12 +83,13 @@ def test_reported_cache_bytes_read_from_the_load_log():
 
 def test_loadtest_refuses_before_anything_starts(tmp_path, loaded_once):
     with pytest.raises(ValueError, match="not a GGUF file"):
-        run_loadtest(LoadtestConfig(methods=["llama.cpp:f16"], model=str(tmp_path)))
+        run_loadtest(LoadtestConfig(methods=[], baselines=["llama.cpp:f16"], model=str(tmp_path)))
     with pytest.raises(ValueError, match=r"invalid; expected llama\.cpp:TYPE"):
-        run_loadtest(LoadtestConfig(methods=["kivi2", "llama.cpp:f15"]))
+        run_loadtest(LoadtestConfig(methods=["kivi2"], baselines=["llama.cpp:f15"]))
     with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
-        run_loadtest(LoadtestConfig(methods=["llama.cpp:f16"], memory="1MB", requests=[2],
-                                    concurrency=[1], prompt=16, tokens=[4]))
+        run_loadtest(LoadtestConfig(methods=[], baselines=["llama.cpp:f16"], memory="1MB",
+                                    requests=[2], concurrency=[1], prompt_tokens=16,
+                                    new_tokens=[4]))
 
 
 def test_bench_refuses_llama_cpp_beside_throughput():
@@ -102,8 +103,9 @@ def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch, loaded_on
     monkeypatch.chdir(tmp_path)
     with pytest.raises(llamacpp.EngineMissing, match="make engine"):
         llamacpp.server_binary()
-    rows = run_loadtest(LoadtestConfig(methods=["llama.cpp:q4_0"], memory="20MB", requests=[2],
-                                       concurrency=[2], prompt=16, tokens=[4]))
+    rows = run_loadtest(LoadtestConfig(methods=[], baselines=["llama.cpp:q4_0"], memory="20MB",
+                                       requests=[2], concurrency=[2], prompt_tokens=16,
+                                       new_tokens=[4]))
     assert len(rows) == 1 and "make engine" in rows[0]["error"]
     assert list(tmp_path.iterdir()) == []
 

@@ -74,7 +74,7 @@ def test_figure_links_relative_to_the_page(tmp_path):
 
 def test_unknown_blocks_and_missing_results_are_errors(tmp_path):
     page = _page(tmp_path, "<!-- kvmix:nonsense -->")
-    with pytest.raises(ValueError, match="unknown block kvmix:nonsense; valid: cli"):
+    with pytest.raises(ValueError, match=r"unknown block kvmix:nonsense; valid: cli"):
         pages.render(page.read_text(), page, tmp_path)
     page = _page(tmp_path, "<!-- kvmix:results loadtest -->")
     with pytest.raises(ValueError, match="no results named 'loadtest'"):

@@ -171,11 +171,11 @@ def test_memory_sizes_parse(text, expected):
 
 @pytest.mark.parametrize("argv, message", [
     (["plan", "--model", "gpt-5"], r"model='gpt-5' is neither a bundled config"),
-    (["plan", "--device", "tpu"], "device='tpu' is unknown; valid: a100-40gb"),
+    (["plan", "--hardware", "tpu"], "hardware='tpu' is unknown; valid: a100-40gb"),
     (["plan", "--memory", "forty"], "memory='forty' does not parse"),
     (["plan", "--overhead=-1GB"], "overhead=.-1GB. does not parse; write a size of 0 or more"),
     (["plan", "--batch", "0"], "batch=0 is invalid; expected an integer >= 1"),
-    (["plan", "--tokens", "-5"], "tokens=-5 is invalid"),
+    (["plan", "--new-tokens", "-5"], "new_tokens=-5 is invalid"),
     (["plan", "--weight-bits", "3"], "weight_bits=3 is invalid; valid: 16, 8, 4"),
     (["plan", "--memory", "10GB"], "weights .* and overhead .* alone exceed the memory"),
     (["plan", "--methods", "kxvy:budget=3"], "budget mode allocates from the model's weights"),
@@ -189,8 +189,8 @@ def test_bad_plans_fail_with_a_clear_error(argv, message, capsys):
 
 
 def test_an_overhead_of_zero_leaves_the_memory_to_weights_and_cache(tmp_path):
-    argv = ["plan", "--model", "qwen3-8b", "--device", "a100-40gb", "--methods", "full",
-            "--batch", "8", "--tokens", "4096"]
+    argv = ["plan", "--model", "qwen3-8b", "--hardware", "a100-40gb", "--methods", "full",
+            "--batch", "8", "--new-tokens", "4096"]
     main([*argv, "--overhead", "0", "--out", str(tmp_path / "none")])
     main([*argv, "--overhead", "2GB", "--out", str(tmp_path / "some")])
     none, some = (json.loads((tmp_path / d / "results.json").read_text())["rows"][0]
@@ -201,8 +201,8 @@ def test_an_overhead_of_zero_leaves_the_memory_to_weights_and_cache(tmp_path):
 
 
 def test_the_command_writes_rows_and_a_capacity_plot(tmp_path):
-    main(["plan", "--model", "qwen3-8b", "--device", "a100-40gb", "--methods",
-          "full,pnmix1", "--batch", "32", "--tokens", "8192", "--out", str(tmp_path)])
+    main(["plan", "--model", "qwen3-8b", "--hardware", "a100-40gb", "--methods",
+          "full,pnmix1", "--batch", "32", "--new-tokens", "8192", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "results.json").read_text())
     full, pnmix = saved["rows"]
     for key in ("method", "kv_bytes", "weight_bytes", "total_bytes", "fits", "max_batch",
@@ -219,6 +219,6 @@ def test_a_bare_memory_size_plans_bytes_and_makes_no_speed_estimate(capsys):
     from kvmix.commands.plan import PlanConfig, run_plan
 
     rows = run_plan(PlanConfig(model="gemma-3-27b", methods=["full", "kivi2"], batch=8,
-                               prompt=0, tokens=32768, memory="80GB"))
+                               prompt_tokens=0, new_tokens=32768, memory="80GB"))
     assert [r["est_tokens_per_s_max_batch"] for r in rows] == [None, None]
     assert rows[1]["max_batch"] > 4 * rows[0]["max_batch"] > 0

@@ -29,15 +29,16 @@ def test_a_vllm_row_names_a_kvmix_method_or_vllms_own_cache():
 
 def test_loadtest_refuses_a_bad_vllm_row_before_any_server_starts(capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["loadtest", "--methods", "kivi2,vllm:kivi9", "--requests", "1"])
+        main(["loadtest", "--methods", "kivi2", "--baselines", "vllm:kivi9", "--requests", "1"])
     assert exit_.value.code == 2 and "vllm:kivi9" in capsys.readouterr().err
 
 
 def test_a_missing_vllm_environment_is_reported_in_its_row(tmp_path, tokenizer):
     with saved_model(tokenizer) as folder:
         rows = run_loadtest(LoadtestConfig(
-            methods=["vllm:kivi2"], model=folder, memory="20MB", requests=[2], concurrency=[2],
-            prompt=16, tokens=[4], vllm_python=str(tmp_path / "no-python")))
+            methods=[], baselines=["vllm:kivi2"], model=folder, memory="20MB", requests=[2],
+            concurrency=[2], prompt_tokens=16, new_tokens=[4],
+            vllm_python=str(tmp_path / "no-python")))
     assert len(rows) == 1 and "make vllm" in rows[0]["error"]
     assert rows[0]["method"] == "vllm:kivi2"
 

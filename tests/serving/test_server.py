@@ -781,7 +781,7 @@ def test_the_load_generator_times_every_request_it_sends(served, client):
 def test_loadtest_refuses_bad_levels_before_any_work(capsys):
     for argv, message in ((["--concurrency", "1,8", "--requests", "1,2,3"], "one per"),
                           (["--concurrency", "0"], "concurrency=[0]"),
-                          (["--tokens", "0,8"], "tokens=[0, 8]"),
+                          (["--new-tokens", "0,8"], "new_tokens=[0, 8]"),
                           (["--temperature", "3"], "temperature=3")):
         with pytest.raises(SystemExit) as exit_:
             main(["loadtest", "--url", "http://127.0.0.1:9", *argv])

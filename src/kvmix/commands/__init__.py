@@ -1,5 +1,5 @@
 """The command line's commands: one module each, with a configuration dataclass, a ``run_*``
-function and ``add_parser``. ``kvmix --help`` lists them in this order."""
+function and ``add_parser``. ``kvmix --help`` lists them by group, in this order."""
 
 from kvmix.commands import (
     bench,
@@ -24,6 +24,10 @@ from kvmix.commands import (
     transforms,
 )
 
-COMMANDS = (compare, bench, plan, longgen, needle, harness, criteria, pairscore, sweep, norms,
-            keyfirst, recon, calibrate, transforms, export, recommend, methods, serve, loadtest,
-            report)
+GROUPS = {
+    "measure methods against the float cache": (compare, bench, longgen, needle, harness,
+                                                 methods),
+    "choose, deploy and serve": (plan, recommend, calibrate, export, serve, loadtest, report),
+    "research studies": (sweep, criteria, pairscore, keyfirst, norms, recon, transforms),
+}
+COMMANDS = tuple(module for modules in GROUPS.values() for module in modules)

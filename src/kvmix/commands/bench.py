@@ -13,20 +13,22 @@ the allocator's bytes in use (``kvmix.evaluation.resources``): ``steady_bytes`` 
 prefill and warmup above those in use just before the cache was made, ``peak_bytes`` that plus
 the largest rise while decoding (what a step materialises: a float history, a concatenation);
 ``nbytes`` is what the cache itself reports (for transformers' caches, the storages reachable
-from them; for llama.cpp, the cache it allocates, sized once for the longest ``--prompt`` as a
-server sizes a slot). llama.cpp's memory deltas count all it takes from the heap once it starts
-loading (context, compute buffers, weights it copies out of the mapped file), so only its
-``nbytes`` compares with the caches'; it runs the GGUF's own quantized weights in C where kvmix
-runs them dequantized through transformers.
+from them; for llama.cpp, the cache it allocates, sized once for the longest
+``--prompt-tokens`` as a server sizes a slot). llama.cpp's memory deltas count all it takes
+from the heap once it starts loading (context, compute buffers, weights it copies out of the
+mapped file), so only its ``nbytes`` compares with the caches'; it runs the GGUF's own quantized
+weights in C where kvmix runs them dequantized through transformers.
 ``select_s`` is the prefill time spent in channel selection (PN-Mix, Kitty, ChanMix).
 
-``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches of
-``--context`` tokens for ``--batch`` sequences, beside float SDPA and the float variant of the
-same kernels (``kvmix.evaluation.opbench``); no model is loaded.
+``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches
+already holding ``--context`` tokens (random keys and values, no prompt) for ``--batch``
+sequences, beside float SDPA and the float variant of the same kernels
+(``kvmix.evaluation.opbench``); no model is loaded.
 
 ``--throughput`` measures many sequences at once (``kvmix.evaluation.throughput``): aggregate
 decode tokens/s at each ``--batch``, and at each cache's largest batch within ``--memory`` at
-``--prompt`` + ``--tokens`` tokens per sequence (equal memory), beside DynamicCache.
+``--prompt-tokens`` + ``--budget-tokens`` tokens per sequence (equal memory), beside
+DynamicCache.
 Timings are wall-clock on this machine; they belong here, never in pass/fail tests.
 """
 
@@ -44,7 +46,7 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
-from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.core.memory import reachable_bytes
 from kvmix.evaluation import llamacpp, opbench, throughput
 from kvmix.evaluation.data import load_text
@@ -80,7 +82,7 @@ OP_COLUMNS = {"method": "method", "backend": "backend", "context": "context", "b
 class BenchConfig(JobConfig):
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2"])
     baselines: list[str] = field(default_factory=lambda: ["dynamic"])
-    prompt: list[int] = field(default_factory=lambda: [1024])
+    prompt_tokens: list[int] = field(default_factory=lambda: [1024])
     new_tokens: int = 32
     warmup: int = 4
     rounds: int = 4
@@ -90,7 +92,7 @@ class BenchConfig(JobConfig):
     batch: list[int] = field(default_factory=lambda: [1])
     throughput: bool = False
     memory: str = "2GB"
-    tokens: int = 256
+    budget_tokens: int = 256  # --throughput: generated tokens per sequence --memory must hold
 
 
 def add_parser(commands) -> None:
@@ -100,10 +102,12 @@ def add_parser(commands) -> None:
                         help=f"caches to run beside: transformers' ({', '.join(BASELINES)}), "
                              "llama.cpp:TYPE or llama.cpp:K/V (e.g. llama.cpp:q4_0); '' for "
                              "none")
-    parser.add_argument("--prompt", default="1024", help="prompt lengths, e.g. 1024,7680")
+    add_renamed(parser, "--prompt-tokens", "--prompt", default="1024",
+                help="prompt lengths, e.g. 1024,7680 (each prefilled, then decoded from)")
     parser.add_argument("--new-tokens", type=int, default=BenchConfig.new_tokens,
-                        help="timed greedy decode steps")
-    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup)
+                        help="generated tokens timed: greedy decode steps per cache")
+    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup,
+                        help="untimed decode steps after the prefill")
     parser.add_argument("--rounds", type=int, default=BenchConfig.rounds,
                         help="timing rounds; every cache decodes new_tokens/rounds per round")
     parser.add_argument("--backend", default="auto",
@@ -111,7 +115,9 @@ def add_parser(commands) -> None:
     parser.add_argument("--shape", default=None,
                         help="HEADS,KV_HEADS,HEAD_DIM: time the attention op alone on synthetic "
                              "caches of this shape (e.g. 32,8,128), no model")
-    parser.add_argument("--context", default="16384", help="--shape: tokens per sequence")
+    parser.add_argument("--context", default="16384",
+                        help="--shape: tokens already in each synthetic cache (random keys and "
+                             "values, no prompt), e.g. 16384,65536")
     parser.add_argument("--batch", default="1",
                         help="--shape, --throughput: sequences, e.g. 1,4,16")
     parser.add_argument("--throughput", action="store_true",
@@ -119,9 +125,10 @@ def add_parser(commands) -> None:
                              "at each cache's largest batch within --memory")
     parser.add_argument("--memory", default=BenchConfig.memory,
                         help="--throughput: the cache budget, e.g. 2GB or 512MiB")
-    parser.add_argument("--tokens", type=int, default=BenchConfig.tokens,
-                        help="--throughput: generated tokens per sequence the budget must hold "
-                             "after --prompt")
+    add_renamed(parser, "--budget-tokens", "--tokens", type=int,
+                default=BenchConfig.budget_tokens,
+                help="--throughput: generated tokens per sequence that --memory must hold after "
+                     "--prompt-tokens (sizes each cache's largest batch; --new-tokens are timed)")
     parser.set_defaults(run=lambda args: run_bench(config_from(BenchConfig, args)))
 
 
@@ -132,14 +139,14 @@ def run_bench(config: BenchConfig, loaded: LoadedModel | None = None) -> list[di
     if config.throughput:
         return _run_throughput(config, loaded)
     engines = _engines(config)
-    loaded, ids = load_inputs(config, max(config.prompt), loaded)
+    loaded, ids = load_inputs(config, max(config.prompt_tokens), loaded)
     backends = list(dict.fromkeys(resolve(b, loaded.model.device) for b in config.backend))
     builds = [(b, "-", partial(_baseline, b)) for b in config.baselines if b not in engines]
     builds += [(b, "-", partial(_engine, b, config)) for b in engines]
     builds += [(m, b, partial(_kvmix, m, b)) for m in config.methods for b in backends]
     rows = []
     with Progress(console=console, transient=True) as bar:
-        for prompt in config.prompt:
+        for prompt in config.prompt_tokens:
             task = bar.add_task(f"prompt {prompt}", total=len(builds) * (1 + config.rounds))
             runs = []
             for name, backend, build in builds:
@@ -194,7 +201,7 @@ def _run_shape(config: BenchConfig) -> list[dict]:
 
 
 def _run_throughput(config: BenchConfig, loaded: LoadedModel | None) -> list[dict]:
-    prompt, total = config.prompt[0], config.prompt[0] + config.tokens
+    prompt, total = config.prompt_tokens[0], config.prompt_tokens[0] + config.budget_tokens
     loaded, _ = load_inputs(config, total, loaded)
     ids = loaded.tokenizer(load_text(config.data), return_tensors="pt",
                            add_special_tokens=False).input_ids  # [1, N]: every window's source
@@ -228,7 +235,7 @@ def _run_throughput(config: BenchConfig, loaded: LoadedModel | None) -> list[dic
             del runs
     plots = [str(_throughput_plot(config, rows))] if config.out else []
     finish("bench", config, loaded, rows, f"throughput · {config.memory} for {prompt} + "
-           f"{config.tokens} tokens · {config.rounds} rounds of {steps} steps · "
+           f"{config.budget_tokens} tokens · {config.rounds} rounds of {steps} steps · "
            f"{torch.get_num_threads()} threads", THROUGHPUT_COLUMNS,
            device=str(loaded.model.device), threads=torch.get_num_threads(), plots=plots)
     return rows
@@ -239,16 +246,17 @@ def _check(config: BenchConfig) -> None:
     for name, least in (("new_tokens", 1), ("warmup", 0), ("rounds", 1)):
         if getattr(config, name) < least:
             raise ValueError(f"{name}={getattr(config, name)} is invalid; expected >= {least}")
-    for name in ("prompt", "context", "batch"):
+    for name in ("prompt_tokens", "context", "batch"):
         if not getattr(config, name) or min(getattr(config, name)) < 1:
             raise ValueError(f"{name}={getattr(config, name)} is invalid; expected values >= 1")
     if config.shape:
         opbench.Shape.parse(config.shape)
     if config.throughput:
         parse_memory(config.memory)
-        if config.tokens < 0 or len(config.prompt) != 1:
-            raise ValueError(f"--throughput takes one prompt length and tokens >= 0; got "
-                             f"prompt={config.prompt}, tokens={config.tokens}")
+        if config.budget_tokens < 0 or len(config.prompt_tokens) != 1:
+            raise ValueError(f"--throughput takes one prompt length and budget_tokens >= 0; "
+                             f"got prompt_tokens={config.prompt_tokens}, "
+                             f"budget_tokens={config.budget_tokens}")
     engines = llamacpp.settings(config.baselines)
     unknown = sorted(set(config.baselines) - set(BASELINES) - set(engines))
     if unknown:
@@ -347,7 +355,7 @@ def _engine(name: str, config: BenchConfig, model) -> tuple[Any, Any, list[float
     """llama.cpp on the same GGUF with room for the longest prompt and every decode step."""
     steps = -(-config.new_tokens // config.rounds) * config.rounds + config.warmup + 8
     decoder = llamacpp.Decoder(gguf_path(config.model), model.config,
-                               *llamacpp.parse_types(name), max(config.prompt) + steps,
+                               *llamacpp.parse_types(name), max(config.prompt_tokens) + steps,
                                torch.get_num_threads())
     return decoder, decoder, [0.0]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.core.transforms import TransformSet, save_transforms
 from kvmix.evaluation.calibration import collect_moments, compute_transforms
 from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
@@ -28,10 +28,16 @@ class CalibrateConfig(JobConfig):
 
 def add_parser(commands) -> None:
     parser = commands.add_parser("calibrate", help="WUSH-KV transforms from calibration text")
-    add_job_arguments(parser, CalibrateConfig(), methods=False)
-    parser.add_argument("--tokens", type=int, default=CalibrateConfig.tokens)
-    parser.add_argument("--chunk", type=int, default=CalibrateConfig.chunk)
-    parser.add_argument("--block", type=int, default=None, help="default: the head dim")
+    add_job_arguments(parser, CalibrateConfig(), methods=False, data=False)
+    add_renamed(parser, "--calib-data", "--data", dest="data", default=CalibrateConfig.data,
+                help="calibration text: 'prose', 'code' or a text file")
+    add_renamed(parser, "--calib-tokens", "--tokens", dest="tokens", type=int,
+                default=CalibrateConfig.tokens, help="calibration tokens (at least 16)")
+    parser.add_argument("--chunk", type=int, default=CalibrateConfig.chunk,
+                        help="tokens per forward pass while the moments are collected")
+    parser.add_argument("--block", type=int, default=None,
+                        help="channels per transform block, a power of two dividing the head "
+                             "dim (default: the head dim)")
     parser.add_argument("--damping", type=float, default=CalibrateConfig.damping,
                         help="λ as a share of the mean diagonal of each second moment")
     parser.set_defaults(run=lambda args: run_calibrate(config_from(CalibrateConfig, args)))

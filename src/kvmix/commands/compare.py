@@ -1,8 +1,11 @@
-"""``kvmix compare``, the main job: memory, perplexity, token KL and time of each method."""
+"""``kvmix compare``, the main job: memory, perplexity, token KL and time of each method, with
+``--out`` a plot of cache megabytes against token KL (``compare.png``). The table shows bytes in
+MB (10^6 bytes); results.json keeps each row's bytes as integers beside them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -15,6 +18,7 @@ from kvmix.commands.args import (
 from kvmix.evaluation import through_vllm
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
 from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, scored_inputs
+from kvmix.evaluation.plots import plt  # pyplot on the Agg backend
 from kvmix.evaluation.report import console
 from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
 from kvmix.methods import parse_method
@@ -23,9 +27,10 @@ from kvmix.models.loading import LoadedModel
 DEFAULT_METHODS = ("full", "kivi2", "kivi4", "kxvy:key_bits=4,value_bits=2",
                    "kxvy:key_bits=2,value_bits=4", "pnmix1")
 COLUMNS = {"method": "method", "key_bits": "K bits", "value_bits": "V bits",
-           "nbytes": "cache bytes", "ratio_fp16": "/16-bit", "nbytes_16bit": "bytes@16",
-           "effective_bits": "eff. bits", "static": "static", "ppl": "ppl", "delta_ppl": "Δppl",
-           "token_kl": "token KL", "seconds": "time s"}
+           "cache_mb": "cache MB", "ratio_fp16": "/16-bit", "cache_16bit_mb": "MB@16",
+           "effective_bits": "eff. bits", "static_mb": "static MB", "ppl": "ppl",
+           "delta_ppl": "Δppl", "token_kl": "token KL", "seconds": "time s"}
+MEGABYTES = {"nbytes": "cache_mb", "nbytes_16bit": "cache_16bit_mb", "static": "static_mb"}
 ENGINES = ("kvmix", "vllm")
 VLLM_PREFILLS = ("exact", "decode")  # the plugin's PREFILLS (kvmix.vllm: imported by vLLM only)
 VLLM_COLUMNS = {"method": "method", "ppl": "ppl (kvmix)", "delta_ppl": "Δppl (kvmix)",
@@ -76,13 +81,14 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
         return _through_vllm(config, loaded)
     grid = Grid("compare", config, compare_cell, shared=config)
     outcomes, model = grid.run(list(config.methods), Worker.holding(loaded, config))
-    rows = merged(outcomes)
+    rows = [_megabytes(row) for row in merged(outcomes)]  # resumed cells' rows too
     for row in rows:
         if row["plan"]:
             console.print(f"{row['method']} plan: key bits {row['plan']['key_bits']}, "
                           f"value bits {row['plan']['value_bits']}")
+    plots = [str(_plot(config, rows, model["name"]))] if config.out and rows else []
     finish("compare", config, model, rows, f"{config.data} · context {config.context} + "
-           f"{config.eval_tokens} tokens", COLUMNS)
+           f"{config.eval_tokens} tokens", COLUMNS, plots=plots)
     return rows
 
 
@@ -92,6 +98,32 @@ def compare_cell(worker: Worker, config: CompareConfig, method: str) -> list[dic
     scored = full if method == "full" else score(loaded.model, ids, method, config.context,
                                                   config.chunk, backend=config.backend)
     return [_row(method, parse_method(method), scored, full, loaded.dtype)]
+
+
+def _megabytes(row: dict) -> dict:
+    """``row`` with its byte counts also in MB (10^6 bytes), as the table shows them."""
+    return row | {mb: row[key] / 1e6 for key, mb in MEGABYTES.items() if key in row}
+
+
+def _plot(config: CompareConfig, rows: list[dict], model: str) -> Path:
+    """Cache MB against token KL, one labelled point per method; the KL axis is logarithmic
+    (linear below the smallest nonzero KL, where ``full``'s 0 lies) when it spans over 100×."""
+    Path(config.out).mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        axes.plot(row["cache_mb"], row["token_kl"], marker="o", linestyle="")
+        axes.annotate(row["method"], (row["cache_mb"], row["token_kl"]), fontsize=8,
+                      xytext=(4, 4), textcoords="offset points")
+    kls = [row["token_kl"] for row in rows if row["token_kl"] > 0]
+    if kls and max(kls) > 100 * min(kls):
+        axes.set_yscale("symlog", linthresh=min(kls))
+    axes.set(xlabel="KV cache (MB)", ylabel="token KL vs full", title=f"{model} · "
+             f"{config.data} · context {config.context} + {config.eval_tokens} tokens")
+    axes.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(Path(config.out) / "compare.png", dpi=120)
+    plt.close(figure)
+    return Path(config.out) / "compare.png"
 
 
 def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) -> dict:

@@ -15,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvmix.core.transforms import save_multipliers
+from kvmix.commands.args import add_length_arguments, add_renamed
+from kvmix.core.transforms import KINDS, save_multipliers
 from kvmix.evaluation.engine_formats import CURRENT, parse_versions
 from kvmix.evaluation.jobs import JobConfig, load_inputs, score_methods
 from kvmix.evaluation.plans import make_plan, measured_kl, save_plan, simulated
@@ -90,20 +91,24 @@ def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dic
 def add_parser(commands) -> None:
     parser = commands.add_parser("export", help="a KV plan with engine settings (--plan), or "
                                                 "WUSH's folded model + right-multipliers")
-    parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="'smollm2' (offline default), a transformers id/folder or a .gguf")
+    parser.add_argument("--dtype", default="auto",
+                        help="auto (float32 on CPU), float32, float16, bfloat16")
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--plan", metavar="METHOD", help="write kv_plan.json for this method")
-    which.add_argument("--transforms", help="WUSH transforms file (kvmix calibrate)")
-    parser.add_argument("--transform", default="wush")
+    which.add_argument("--transforms", metavar="FILE",
+                       help="WUSH transforms file (kvmix calibrate): fold it into the model")
+    add_renamed(parser, "--kind", "--transform", default="wush", choices=KINDS,
+                help="--transforms: which transform of the file is folded")
     parser.add_argument("--data", default="prose", help="--plan: text the KL is measured on")
-    parser.add_argument("--context", type=int, default=ExportPlanConfig.context)
-    parser.add_argument("--eval-tokens", type=int, default=ExportPlanConfig.eval_tokens)
+    add_length_arguments(parser, ExportPlanConfig)
     parser.add_argument("--no-measure", action="store_true", help="--plan: skip the KL")
     parser.add_argument("--engine-version", default="", metavar="ENGINE=VERSION[,...]",
                         help="--plan: target another known engine release (default: "
                              + ", ".join(f"{e} {v}" for e, v in CURRENT.items()) + ")")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", required=True,
+                        help="folder for kv_plan.json, or for the folded model and multipliers")
     parser.set_defaults(run=_run)
 
 
@@ -111,8 +116,9 @@ def _run(args) -> None:
     if args.plan:
         run_plan(ExportPlanConfig(model=args.model, data=args.data, dtype=args.dtype,
                                   out=args.out, method=args.plan, context=args.context,
-                                  eval_tokens=args.eval_tokens, measure=not args.no_measure,
+                                  eval_tokens=args.eval_tokens, chunk=args.chunk,
+                                  measure=not args.no_measure,
                                   engine_version=args.engine_version))
     else:
-        run_export(args.transforms, args.transform, args.out, load_model(args.model, args.dtype),
+        run_export(args.transforms, args.kind, args.out, load_model(args.model, args.dtype),
                    inplace=True)

@@ -11,7 +11,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from kvmix.commands.args import add_grid_arguments, add_job_arguments, config_from
+from kvmix.commands.args import (
+    add_grid_arguments,
+    add_job_arguments,
+    add_renamed,
+    config_from,
+)
 from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
 from kvmix.evaluation.jobs import JobConfig, check_backend, finish
 from kvmix.methods import parse_method
@@ -26,7 +31,7 @@ class EvalConfig(GridConfig, JobConfig):
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2", "pnmix1"])
     tasks: list[str] = field(default_factory=lambda: ["kvmix_passkey"])
     limit: int | None = None
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    prompt_tokens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     chunk: int = 16
 
 
@@ -36,8 +41,8 @@ def add_parser(commands) -> None:
     parser.add_argument("--tasks", default=",".join(EvalConfig().tasks),
                         help="lm-eval task names; local: kvmix_passkey, niah_single_1, ruler_vt")
     parser.add_argument("--limit", type=int, default=None, help="documents per task")
-    parser.add_argument("--lengths", default="1024,2048,4096",
-                        help="prompt tokens of the synthetic tasks (RULER: 4096 and up)")
+    add_renamed(parser, "--prompt-tokens", "--lengths", default="1024,2048,4096",
+                help="prompt lengths of the synthetic tasks (RULER: 4096 and up)")
     parser.add_argument("--chunk", type=int, default=EvalConfig.chunk,
                         help="continuation tokens per step through the cache (1 = decode)")
     add_grid_arguments(parser)
@@ -82,7 +87,7 @@ def _tasks(harness, config: EvalConfig, tokenizer=None):
     with ``tokenizer`` (saved where they read it)."""
     folder = tempfile.mkdtemp(prefix="kvmix-tokenizer-")
     atexit.register(shutil.rmtree, folder, True)  # read lazily while tasks build: kept till exit
-    manager = harness.task_manager(folder, config.lengths)
+    manager = harness.task_manager(folder, config.prompt_tokens)
     if tokenizer is not None:
         tokenizer.save_pretrained(folder)
     return manager
@@ -106,9 +111,9 @@ def _check(config: EvalConfig) -> None:
         raise ValueError(f"chunk={config.chunk} is invalid; expected an integer >= 1")
     if not config.tasks:
         raise ValueError("tasks is empty; name at least one task")
-    for length in config.lengths:
+    for length in config.prompt_tokens:
         if length < 64:
-            raise ValueError(f"lengths={length} is invalid; expected >= 64 tokens")
+            raise ValueError(f"prompt_tokens={length} is invalid; expected >= 64 tokens")
     check_backend(config.backend)
     for method in config.methods:
         parse_method(method)

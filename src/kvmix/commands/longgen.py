@@ -46,7 +46,8 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("longgen", help="long greedy generation vs full: divergence, "
                                  "chrF, teacher-forced and free-running KL")
     add_job_arguments(parser, LonggenConfig())
-    parser.add_argument("--new-tokens", type=int, default=LonggenConfig.new_tokens)
+    parser.add_argument("--new-tokens", type=int, default=LonggenConfig.new_tokens,
+                        help=f"greedy tokens generated per prompt (at most {MAX_NEW_TOKENS})")
     parser.add_argument("--prompts", type=int, default=LonggenConfig.prompts,
                         help="how many prompts (--data humaneval: its problems, in order)")
     parser.add_argument("--prompt-tokens", type=int, default=LonggenConfig.prompt_tokens,

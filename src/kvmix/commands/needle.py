@@ -9,7 +9,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from kvmix.commands.args import add_job_arguments, config_from
+from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.evaluation.data import load_text
 from kvmix.evaluation.jobs import JobConfig, check_backend, finish
 from kvmix.evaluation.needle import ANSWER_TOKENS, KINDS, answers, build, correct, overhead
@@ -25,7 +25,7 @@ COLUMNS = {"method": "method", "length": "length", "depth": "depth", "accuracy":
 class NeedleConfig(JobConfig):
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2", "pnmix1"])
     kind: str = "passkey"
-    lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
+    prompt_tokens: list[int] = field(default_factory=lambda: [1024, 2048, 4096])
     depths: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
     samples: int = 4
     seed: int = 0
@@ -36,13 +36,15 @@ def add_parser(commands) -> None:
                                  "context length and depth")
     add_job_arguments(parser, NeedleConfig())
     parser.add_argument("--kind", default=NeedleConfig.kind, help=" or ".join(KINDS))
-    parser.add_argument("--lengths", default="1024,2048,4096", help="prompt tokens, e.g. "
-                        "1024,2048,4096 (up to the model's limit)")
+    add_renamed(parser, "--prompt-tokens", "--lengths", default="1024,2048,4096",
+                help="prompt lengths (filler, needle and question), e.g. 1024,2048,4096 (up to "
+                     "the model's limit)")
     parser.add_argument("--depths", default="0.1,0.5,0.9",
                         help="where the needle sits in the filler, 0 (start) to 1 (end)")
     parser.add_argument("--samples", type=int, default=NeedleConfig.samples,
                         help="prompts per cell (each its own number and filler)")
-    parser.add_argument("--seed", type=int, default=NeedleConfig.seed)
+    parser.add_argument("--seed", type=int, default=NeedleConfig.seed,
+                        help="seed of the needles' numbers and places in the filler")
     parser.set_defaults(run=lambda args: run_needle(config_from(NeedleConfig, args)))
 
 
@@ -76,8 +78,8 @@ def _check(config: NeedleConfig) -> None:
         raise ValueError(f"kind={config.kind!r} is invalid; valid: {', '.join(KINDS)}")
     if not isinstance(config.samples, int) or config.samples < 1:
         raise ValueError(f"samples={config.samples!r} is invalid; expected an integer >= 1")
-    if not config.lengths or not config.depths:
-        raise ValueError("lengths and depths need at least one value each")
+    if not config.prompt_tokens or not config.depths:
+        raise ValueError("prompt_tokens and depths need at least one value each")
     for depth in config.depths:
         if not 0 <= depth <= 1:
             raise ValueError(f"depths={depth} is invalid; valid: 0..1")
@@ -90,9 +92,9 @@ def _check_lengths(config: NeedleConfig, loaded: LoadedModel) -> None:
     """Every length holds the instruction, needle and question, and fits the model."""
     least = overhead(loaded.tokenizer, config.kind) + 1
     limit = max_positions(loaded.model) - ANSWER_TOKENS
-    for length in config.lengths:
+    for length in config.prompt_tokens:
         if not least <= length <= limit:
-            raise ValueError(f"lengths={length} is invalid; valid: {least}..{limit} (the "
+            raise ValueError(f"prompt_tokens={length} is invalid; valid: {least}..{limit} (the "
                              f"{config.kind} text needs {least - 1} tokens; the model's limit "
                              f"is {limit + ANSWER_TOKENS} minus {ANSWER_TOKENS} answer tokens)")
 
@@ -102,15 +104,16 @@ def _cells(config: NeedleConfig, tokenizer, filler: list[int]) -> dict:
     rng = random.Random(config.seed)
     return {(length, depth): [build(tokenizer, filler, length, depth, config.kind, rng)
                               for _ in range(config.samples)]
-            for length in config.lengths for depth in config.depths}
+            for length in config.prompt_tokens for depth in config.depths}
 
 
 def _heatmap(config: NeedleConfig, rows: list[dict], method: str) -> Path:
     Path(config.out).mkdir(parents=True, exist_ok=True)
     grid = {(r["length"], r["depth"]): r["accuracy"] for r in rows if r["method"] == method}
-    values = [[grid[length, depth] for length in config.lengths] for depth in config.depths]
+    values = [[grid[length, depth] for length in config.prompt_tokens]
+              for depth in config.depths]
     return heatmap(Path(config.out) / f"needle_{_filename(method)}.png", values,
-                   [str(n) for n in config.lengths], [f"{d:g}" for d in config.depths],
+                   [str(n) for n in config.prompt_tokens], [f"{d:g}" for d in config.depths],
                    "context length (tokens)", "needle depth",
                    f"{config.kind} accuracy · {method}")
 

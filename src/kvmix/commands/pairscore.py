@@ -26,7 +26,8 @@ class PairscoreConfig(JobConfig):
 def add_parser(commands) -> None:
     parser = commands.add_parser("pairscore", help="separable vs causal PN-Mix pair score")
     add_job_arguments(parser, PairscoreConfig(), methods=False)
-    parser.add_argument("--context", type=int, default=PairscoreConfig.context)
+    parser.add_argument("--context", type=int, default=PairscoreConfig.context,
+                        help="tokens of text prefilled, whose queries and keys are scored")
     parser.add_argument("--ratio", type=float, default=PairscoreConfig.ratio,
                         help="share of pairs for the top-k overlap")
     parser.set_defaults(run=lambda args: run_pairscore(config_from(PairscoreConfig, args)))

@@ -1,5 +1,6 @@
 """``kvmix plan``: will it fit, how big a batch, how long a generation, and how fast (an
-estimate) — for a model config and a device, per KV method (see kvmix.evaluation.planner).
+estimate) — for a model config and an accelerator (``--hardware``), per KV method (see
+kvmix.evaluation.planner).
 
 ``--calibrate BENCH_JSON`` sets the roofline beside measurements instead: it measures this
 machine's copy bandwidth and matmul FLOP/s and predicts the decode time of every row of a
@@ -14,14 +15,13 @@ from pathlib import Path
 
 import torch
 
-from kvmix.commands.args import config_from
+from kvmix.commands.args import add_renamed, config_from
 from kvmix.evaluation.planner import (
     DEFAULT_OVERHEAD,
     DEVICES,
     WEIGHT_BITS,
     Device,
     bound,
-    check_sizes,
     device,
     max_batch,
     max_tokens,
@@ -47,12 +47,12 @@ CALIBRATION = {"method": "method", "backend": "backend", "prompt": "prompt",
 @dataclass
 class PlanConfig:
     model: str = "qwen3-8b"
-    device: str = "a100-40gb"
-    memory: str | None = None  # overrides the device's memory, e.g. 40GB or 40GiB
+    hardware: str = "a100-40gb"
+    memory: str | None = None  # overrides the hardware's memory, e.g. 40GB or 40GiB
     methods: list[str] = field(default_factory=lambda: ["full", "kivi2", "pnmix1"])
     batch: int = 1
-    prompt: int = 0
-    tokens: int = 4096  # generated tokens; the cache holds prompt + tokens
+    prompt_tokens: int = 0
+    new_tokens: int = 4096  # generated tokens; the cache holds prompt_tokens + new_tokens
     weight_bits: int = 16
     kv_dtype: str = "float16"  # of the sink, the residual and the `full` method
     overhead: str = "1.5GiB"
@@ -64,17 +64,24 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("plan", help="will it fit: batch, length, memory, est. speed")
     parser.add_argument("--model", default=PlanConfig.model,
                         help=f"bundled ({', '.join(bundled())}) or a config.json")
-    parser.add_argument("--device", default=PlanConfig.device,
-                        help=f"{', '.join(DEVICES)} or mac-<N>gb")
-    parser.add_argument("--memory", default=None, help="instead of the device's, e.g. 40GB")
-    parser.add_argument("--methods", default=",".join(PlanConfig().methods))
-    parser.add_argument("--batch", type=int, default=PlanConfig.batch)
-    parser.add_argument("--prompt", type=int, default=PlanConfig.prompt)
-    parser.add_argument("--tokens", type=int, default=PlanConfig.tokens,
-                        help="generated tokens (the cache holds prompt + tokens)")
+    add_renamed(parser, "--hardware", "--device", default=PlanConfig.hardware,
+                help=f"the accelerator planned for: {', '.join(DEVICES)} or mac-<N>gb")
+    parser.add_argument("--memory", default=None,
+                        help="a memory size instead of --hardware's, e.g. 40GB or 24GiB (no "
+                             "speed estimate)")
+    parser.add_argument("--methods", default=",".join(PlanConfig().methods),
+                        help="comma-separated methods with overrides, e.g. full,kivi2,pnmix1")
+    parser.add_argument("--batch", type=int, default=PlanConfig.batch,
+                        help="sequences held at once")
+    add_renamed(parser, "--prompt-tokens", "--prompt", type=int,
+                default=PlanConfig.prompt_tokens, help="prompt tokens of each sequence")
+    add_renamed(parser, "--new-tokens", "--tokens", type=int, default=PlanConfig.new_tokens,
+                help="generated tokens of each sequence (the cache holds prompt + new tokens)")
     parser.add_argument("--weight-bits", type=int, default=PlanConfig.weight_bits,
                         help="16, 8 or 4 (4.25 with group scales)")
-    parser.add_argument("--kv-dtype", default=PlanConfig.kv_dtype)
+    parser.add_argument("--kv-dtype", default=PlanConfig.kv_dtype,
+                        help=f"float dtype of the sink, the residual and full's cache "
+                             f"({', '.join(DTYPES)})")
     parser.add_argument("--overhead", default=PlanConfig.overhead,
                         help="framework context, activations and reserve")
     parser.add_argument("--calibrate", default=None,
@@ -86,7 +93,7 @@ def add_parser(commands) -> None:
 def run_plan(config: PlanConfig) -> list[dict]:
     if config.calibrate:
         return run_calibration(config)
-    check_sizes(batch=config.batch, prompt=config.prompt, tokens=config.tokens)
+    _check_sizes(config)
     if config.weight_bits not in WEIGHT_BITS:
         raise ValueError(f"weight_bits={config.weight_bits} is invalid; valid: 16, 8, 4")
     target = _target(config)
@@ -95,19 +102,19 @@ def run_plan(config: PlanConfig) -> list[dict]:
     overhead = (parse_memory(config.overhead, "overhead", allow_zero=True) if config.overhead
                 else DEFAULT_OVERHEAD)
     methods = {text: bound(text, arch) for text in config.methods}
-    context = config.prompt + config.tokens
+    context = config.prompt_tokens + config.new_tokens
     _check_room(arch, config, target, overhead)
     rows = [_row(text, method, arch, config, target, dtype, overhead, context)
             for text, method in methods.items()]
     _speedups(rows)
     title = (f"kvmix plan · {arch.name} · {target.name} ({target.memory / 1e9:.1f} GB) · batch "
-             f"{config.batch} · {config.prompt} + {config.tokens} tokens · weights "
+             f"{config.batch} · {config.prompt_tokens} + {config.new_tokens} tokens · weights "
              f"{config.weight_bits}-bit · KV {config.kv_dtype} · overhead {overhead / 1e9:.2f} GB")
     print_table(title, rows, COLUMNS)
     if config.out:
         plot = capacity_plot(Path(config.out) / "capacity.png", _curves(methods, arch, config,
                              dtype, overhead), target.memory / 1e9, f"{arch.name}, batch "
-                             f"{config.batch}, prompt {config.prompt}", target.name)
+                             f"{config.batch}, prompt {config.prompt_tokens}", target.name)
         path = write_results(config.out, "plan", config, rows, device=vars(target),
                              architecture=vars(arch) | {"parameters": arch.parameters},
                              plots=[str(plot)])
@@ -126,7 +133,7 @@ def _row(text, method, arch, config, target: Device, dtype, overhead, context) -
             "total_bytes": plan.total, "kv_gb": plan.kv_bytes / 1e9,
             "weight_gb": plan.weights / 1e9, "total_gb": plan.total / 1e9,
             "fits": plan.total <= target.memory, "max_batch": batch_max,
-            "max_tokens": max_tokens(method, arch, config.batch, config.prompt, *args,
+            "max_tokens": max_tokens(method, arch, config.batch, config.prompt_tokens, *args,
                                      target.memory),
             "kv_breakdown": plan.kv,
             "est_tokens_per_s": roofline(plan, arch, config.batch, context, target.bandwidth,
@@ -154,17 +161,28 @@ def _speedups(rows: list[dict]) -> None:
 
 def _curves(methods, arch, config, dtype, overhead) -> dict[str, list[tuple[float, float]]]:
     """Total GB against generated tokens, per method, at the configured batch."""
-    top = max(2 * (config.prompt + config.tokens), 1024)
+    top = max(2 * (config.prompt_tokens + config.new_tokens), 1024)
     points = [round(top * i / 40) for i in range(41)]
-    return {text: [(n, planned(method, arch, config.batch, config.prompt + n,
+    return {text: [(n, planned(method, arch, config.batch, config.prompt_tokens + n,
                                config.weight_bits, dtype, overhead).total / 1e9) for n in points]
             for text, method in methods.items()}
+
+
+def _check_sizes(config: PlanConfig) -> None:
+    for name, least in (("batch", 1), ("prompt_tokens", 0), ("new_tokens", 1)):
+        value = getattr(config, name)
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {least}")
 
 
 def _target(config: PlanConfig) -> Device:
     if config.memory:
         return Device(f"{config.memory} memory", parse_memory(config.memory), 0.0, 0.0)
-    return device(config.device)
+    try:
+        return device(config.hardware)
+    except ValueError:
+        raise ValueError(f"hardware={config.hardware!r} is unknown; valid: "
+                         f"{', '.join(DEVICES)}, mac-<N>gb (or give --memory)") from None
 
 
 def _dtype(name: str) -> torch.dtype:

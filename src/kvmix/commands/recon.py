@@ -42,10 +42,15 @@ def add_parser(commands) -> None:
     parser = commands.add_parser("recon", help="key vs value reconstruction error at equal bits")
     add_job_arguments(parser, ReconConfig(), methods=False)
     parser.add_argument("--bits", default="1,2,3,4", help="comma-separated widths")
-    parser.add_argument("--context", type=int, default=ReconConfig.context)
-    parser.add_argument("--queries", type=int, default=ReconConfig.queries)
-    parser.add_argument("--group", type=int, default=ReconConfig.group)
-    parser.add_argument("--value-group", type=int, default=ReconConfig.value_group)
+    parser.add_argument("--context", type=int, default=ReconConfig.context,
+                        help="tokens of text prefilled in full precision, then quantized (a "
+                             "multiple of --group)")
+    parser.add_argument("--queries", type=int, default=ReconConfig.queries,
+                        help="decode queries for the score and output errors")
+    parser.add_argument("--group", type=int, default=ReconConfig.group,
+                        help="tokens per key group (keys are quantized per channel)")
+    parser.add_argument("--value-group", type=int, default=ReconConfig.value_group,
+                        help="channels per value group (values are quantized per token)")
     parser.set_defaults(run=lambda args: run_recon(config_from(ReconConfig, args)))
 
 

@@ -65,6 +65,5 @@ def _print_results(path: Path) -> None:
         raise ValueError(f"paths: {path} holds no results.json")
     for file in files:
         result = json.loads(file.read_text())
-        table = result.get("table") or {"title": result["command"],
-                                        "columns": {key: key for key in result["rows"][0]}}
+        table = pages.printed(result)
         print_table(f"{table['title']} ({file})", result["rows"], table["columns"])

@@ -1,7 +1,9 @@
 """``kvmix serve``: an OpenAI-compatible server (transformers' serving app) whose continuous
 batching keeps every request's KV cache in kvmix's packed pool, admitted by bytes
 (``--memory``); ``--method transformers`` serves with transformers' own paged float cache of the
-same bytes instead (the anchor of ``kvmix loadtest``)."""
+same bytes instead (the anchor of ``kvmix loadtest``). ``--engine vllm`` serves through vLLM's
+OpenAI server and kvmix's plugin instead, as ``kvmix loadtest``'s ``vllm:`` rows start it
+(``kvmix.serving.through_vllm``)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import yaml
 
 from kvmix.evaluation.report import console
 from kvmix.serving.launch import ANCHOR, Scale, ServeConfig, build, deploy_config, require_ray
+from kvmix.serving.through_vllm import VllmEngine, describe, prepare
 
 
 def add_parser(commands) -> None:
@@ -24,11 +27,14 @@ def add_parser(commands) -> None:
     parser.add_argument("--method", default=defaults.method,
                         help=f"a kvmix method string, or '{ANCHOR}' (its own paged float cache)")
     parser.add_argument("--memory", default=defaults.memory, help="KV cache budget, e.g. 2GB")
-    parser.add_argument("--host", default=defaults.host)
-    parser.add_argument("--port", type=int, default=defaults.port)
+    parser.add_argument("--host", default=defaults.host,
+                        help="address to listen on (beyond loopback: give an API key)")
+    parser.add_argument("--port", type=int, default=defaults.port, help="port to listen on")
     parser.add_argument("--backend", default=defaults.backend, help="auto, torch or cpu")
-    parser.add_argument("--dtype", default=defaults.dtype)
-    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--dtype", default=defaults.dtype,
+                        help="auto (float32 on CPU), float32, float16, bfloat16")
+    parser.add_argument("--device", default=defaults.device,
+                        help="the torch device the model runs on: cpu, cuda, cuda:1, ...")
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens,
                         help="max_tokens of a request that sends none")
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens,
@@ -61,11 +67,24 @@ def add_parser(commands) -> None:
                      help="a fixed number of replicas (default 1; or --min/--max-replicas)")
     ray.add_argument("--min-replicas", type=int, default=None,
                      help="autoscaled on KV utilisation between --min- and --max-replicas")
-    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--max-replicas", type=int, default=None,
+                     help="the most replicas autoscaling starts (default: --min-replicas)")
     ray.add_argument("--replica-cpus", type=float, default=1.0,
                      help="CPUs each replica takes (on CUDA a replica takes one GPU)")
     ray.add_argument("--ray-config", default=None, metavar="FILE",
                      help="write the YAML `serve deploy FILE` takes, then exit")
+    vllm, engine = parser.add_argument_group("vLLM (the vllm or vllm-cuda extra)"), VllmEngine()
+    vllm.add_argument("--engine", choices=("kvmix", "vllm"), default="kvmix",
+                      help="vllm: vLLM's OpenAI server with kvmix's plugin, in the same "
+                           "--memory (its staging counted); --method auto or fp8: vLLM's own "
+                           "cache")
+    vllm.add_argument("--vllm-python", default=engine.python,
+                      help="the vLLM environment's interpreter (`make vllm`)")
+    vllm.add_argument("--max-num-seqs", type=int, default=engine.max_num_seqs,
+                      help="vLLM's: the most requests running at once (the plugin's staging "
+                           "for this many is taken from --memory)")
+    vllm.add_argument("--max-model-len", type=int, default=engine.max_model_len,
+                      help="vLLM's: the most tokens of a request (default: the model's)")
     parser.set_defaults(run=lambda args: run_serve(
         ServeConfig(**{k: getattr(args, k) for k in vars(defaults)}), args))
 
@@ -74,6 +93,9 @@ def run_serve(config: ServeConfig, args: Any = None) -> None:
     """Serve until SIGTERM/SIGINT (drained: exit 0) or the generation loop dies (exit 1); with
     ``--ray``, replicas on Ray Serve; with ``--ray-config``, only the file for them."""
     ray = _ray_arguments(args)
+    engine = _vllm_engine(args, ray)
+    if engine is not None:
+        return _run_vllm(config, engine)
     if ray is not None:
         return _run_ray(config, *ray)
     from kvmix.serving.server import Server, build_app
@@ -107,6 +129,36 @@ def _loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return host == "localhost"
+
+
+def _vllm_engine(args: Any, ray: tuple | None) -> VllmEngine | None:
+    """--engine vllm's settings, or None for kvmix's own engine; refused when they do not go
+    together."""
+    if args is None:
+        return None
+    engine = VllmEngine(args.vllm_python, args.max_num_seqs, args.max_model_len)
+    if args.engine == "kvmix":
+        given = [flag for flag, name in (("--vllm-python", "python"),
+                                          ("--max-num-seqs", "max_num_seqs"),
+                                          ("--max-model-len", "max_model_len"))
+                 if getattr(engine, name) != getattr(VllmEngine(), name)]
+        if given:
+            raise ValueError(f"{', '.join(given)} need --engine vllm")
+        return None
+    if ray is not None:
+        raise ValueError("--engine vllm cannot honour --ray or --ray-config (replicas of "
+                         "kvmix's own engine): remove it")
+    return engine
+
+
+def _run_vllm(config: ServeConfig, engine: VllmEngine) -> None:
+    """vLLM's server in this process's place: its signals, output and exit code."""
+    server, found = prepare(config, engine)
+    console.print(describe(server, found, config), soft_wrap=True, markup=False)
+    if "VLLM_API_KEY" not in server.env and not _loopback(config.host):
+        console.print(f"[yellow]warning: listening on {config.host} without an API key: "
+                      "anyone who reaches it can use it (--api-key or KVMIX_API_KEY)[/]")
+    server.serve(config.port)
 
 
 def _ray_arguments(args: Any) -> tuple | None:

@@ -71,8 +71,10 @@ def add_parser(commands) -> None:
     add_job_arguments(parser, SweepConfig(), methods=False)
     parser.add_argument("--budgets", default=",".join(map(str, SweepConfig().budgets)),
                         help="average key bits to hit")
-    parser.add_argument("--families", default=",".join(SweepConfig().families))
-    parser.add_argument("--group", type=int, default=SweepConfig.group)
+    parser.add_argument("--families", default=",".join(SweepConfig().families),
+                        help=f"methods swept over the budgets ({', '.join(FAMILIES)})")
+    parser.add_argument("--group", type=int, default=SweepConfig.group,
+                        help="tokens per key group (sets the bits of scales and minimums)")
     parser.add_argument("--no-kivi", dest="kivi", action="store_false",
                         help="leave out KIVI's native points")
     add_length_arguments(parser, SweepConfig)

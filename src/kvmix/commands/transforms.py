@@ -48,10 +48,15 @@ def add_parser(commands) -> None:
     add_job_arguments(parser, TransformsConfig(), methods=False)
     parser.add_argument("--transforms", default="", help="file from kvmix calibrate "
                         "(default: calibrate on --calib-data first)")
-    parser.add_argument("--calib-data", default=TransformsConfig.calib_data)
-    parser.add_argument("--calib-tokens", type=int, default=TransformsConfig.calib_tokens)
-    parser.add_argument("--bits", type=int, default=TransformsConfig.bits)
-    parser.add_argument("--queries", type=int, default=TransformsConfig.queries)
+    parser.add_argument("--calib-data", default=TransformsConfig.calib_data,
+                        help="calibration text when no --transforms file is given: 'prose', "
+                             "'code' or a text file")
+    parser.add_argument("--calib-tokens", type=int, default=TransformsConfig.calib_tokens,
+                        help="calibration tokens when no --transforms file is given")
+    parser.add_argument("--bits", type=int, default=TransformsConfig.bits,
+                        help="key and value bits of every transform × quantizer")
+    parser.add_argument("--queries", type=int, default=TransformsConfig.queries,
+                        help="decode queries for the layer-wise score and output errors")
     add_length_arguments(parser, TransformsConfig)
     parser.set_defaults(run=lambda args: run_transforms(config_from(TransformsConfig, args)))
 

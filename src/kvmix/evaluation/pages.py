@@ -13,6 +13,7 @@ results (several ``results.json`` below ``NAME`` are repeats, shown as median (m
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import re
@@ -110,8 +111,7 @@ def results_table(name: str, page: Path, root: Path) -> str:
     first = runs[0]
     rows, note = (first["rows"], "") if len(runs) == 1 else (_aggregate(runs), (
         f" Numbers: median (min–max) of {len(runs)} runs."))
-    table = first.get("table") or {"title": first["command"],
-                                   "columns": {key: key for key in first["rows"][0]}}
+    table = printed(first)
     return (f"*{table['title']}*\n\n{_provenance(first)}{note}\n\n"
             f"{_table(rows, table['columns'])}")
 
@@ -126,6 +126,15 @@ def figure(argument: str, page: Path, root: Path) -> str:
     first = _load(next(folder.rglob("results.json")))
     link = os.path.relpath(path, page.parent)
     return f"![{first['command']}: {file}]({link})\n\n{_provenance(first)}"
+
+
+def printed(result: dict) -> dict:
+    """The table a results.json was printed with: its own record, or (files written before it
+    kept one) its command's ``COLUMNS``."""
+    if "table" in result:
+        return result["table"]
+    command = importlib.import_module(f"kvmix.commands.{result['command']}")
+    return {"title": f"kvmix {result['command']}", "columns": command.COLUMNS}
 
 
 def _newest(name: str, root: Path) -> Path:
