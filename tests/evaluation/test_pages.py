@@ -68,7 +68,7 @@ def test_figure_links_relative_to_the_page(tmp_path):
     text = pages.render(page.read_text(), page, tmp_path)
     assert "(benchmarks/runs/2026-12-05-m/compare/compare.png)" in text
     page = _page(tmp_path, "<!-- kvmix:figure compare/missing.png -->")
-    with pytest.raises(ValueError, match="missing.png"):
+    with pytest.raises(ValueError, match=r"missing\.png"):
         pages.render(page.read_text(), page, tmp_path)
 
 
