@@ -189,11 +189,13 @@ def _run_shape(config: BenchConfig) -> list[dict]:
         config.rounds)]
     name = f"synthetic {shape.heads}q/{shape.kv_heads}kv×{shape.head_dim}"
     info = {"name": name, "dtype": str(dtype).removeprefix("torch."), "shape": vars(shape)}
-    print_table(f"kvmix bench · {name} · {device} · {dtype} · {config.rounds} rounds of "
-                f"{steps} layer-steps", rows, OP_COLUMNS)
+    title = (f"kvmix bench · {name} · {device} · {dtype} · {config.rounds} rounds of "
+             f"{steps} layer-steps")
+    print_table(title, rows, OP_COLUMNS)
     kernels = _kernels(backends)
     if config.out:
-        path = write_results(config.out, "bench", config, rows, model=info, device=str(device),
+        path = write_results(config.out, "bench", config, rows, (title, OP_COLUMNS),
+                             model=info, device=str(device),
                              gpu=torch.cuda.get_device_name(device) if device.type == "cuda"
                              else None, threads=torch.get_num_threads(), cpu_kernels=kernels)
         console.print(f"wrote {path}")

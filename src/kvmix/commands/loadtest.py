@@ -129,10 +129,11 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
         except (llamacpp.EngineMissing, vllm_server.VllmMissing) as error:
             console.print(f"[red]{method}: {error}[/red]")
             rows.append({"method": method, "error": str(error)})
-    print_table(f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt_tokens} + "
-                f"{_tokens(config)} tokens · temperature {config.temperature:g}", rows, COLUMNS)
+    title = (f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt_tokens} + "
+             f"{_tokens(config)} tokens · temperature {config.temperature:g}")
+    print_table(title, rows, COLUMNS)
     if config.out:
-        _write(config, rows)
+        _write(config, rows, title)
     return rows
 
 
@@ -315,7 +316,7 @@ class _kvmix_server(LocalServer):
                 from None
 
 
-def _write(config: LoadtestConfig, rows: list[dict]) -> None:
+def _write(config: LoadtestConfig, rows: list[dict], title: str) -> None:
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     plots = []
@@ -328,7 +329,7 @@ def _write(config: LoadtestConfig, rows: list[dict]) -> None:
         plots.append(str(scatter_lines(out / name, series, "concurrent clients", label,
                                        f"{config.model} · {config.memory} KV · "
                                        f"{config.prompt_tokens} + {_tokens(config)} tokens")))
-    path = write_results(out, "loadtest", config, rows, plots=plots,
+    path = write_results(out, "loadtest", config, rows, (title, COLUMNS), plots=plots,
                          client={name: version(name) for name in ("httpx", "fastapi", "uvicorn",
                                                                     "openai", "llama_cpp_python")})
     console.print(f"wrote {path}")

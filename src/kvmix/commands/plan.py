@@ -115,7 +115,8 @@ def run_plan(config: PlanConfig) -> list[dict]:
         plot = capacity_plot(Path(config.out) / "capacity.png", _curves(methods, arch, config,
                              dtype, overhead), target.memory / 1e9, f"{arch.name}, batch "
                              f"{config.batch}, prompt {config.prompt_tokens}", target.name)
-        path = write_results(config.out, "plan", config, rows, device=vars(target),
+        path = write_results(config.out, "plan", config, rows, (title, COLUMNS),
+                             device=vars(target),
                              architecture=vars(arch) | {"parameters": arch.parameters},
                              plots=[str(plot)])
         console.print(f"wrote {path}")
@@ -212,6 +213,6 @@ def run_calibration(config: PlanConfig) -> list[dict]:
                 f"matmul {flops / 1e9:.0f} GFLOP/s (float32)", rows, CALIBRATION)
     if config.out:
         path = write_results(config.out, "plan-calibrate", config, rows,
-                             machine={"bandwidth": bandwidth, "flops": flops})
+                             measured={"bandwidth": bandwidth, "flops": flops})
         console.print(f"wrote {path}")
     return rows
