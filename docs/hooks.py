@@ -4,7 +4,7 @@ from committed results) are made anew from the code and results at each build.""
 
 from pathlib import Path
 
-from kvmix.evaluation import pages
+from kvmix.commands import pages
 
 
 def on_page_markdown(markdown, page, config, files):

@@ -9,7 +9,9 @@ import re
 
 import pytest
 
-from kvmix.cli import _parser, main, subcommands
+from kvmix.cli import main
+from kvmix.commands import parser as make_parser
+from kvmix.commands import subcommands
 from kvmix.commands.loadtest import LoadtestConfig, _moved_baselines
 
 RENAMED = [  # (command, old spelling, new spelling, value given, destination, value stored)
@@ -33,17 +35,17 @@ RENAMED = [  # (command, old spelling, new spelling, value given, destination, v
 def test_an_old_spelling_stores_into_the_new_flag_with_a_warning(command, old, new, given, dest,
                                                                   stored, capsys):
     required = ["--plan", "kivi2", "--out", "x"] if command == "export" else []
-    args = _parser().parse_args([command, *required, old, given])
+    args = make_parser().parse_args([command, *required, old, given])
     assert getattr(args, dest) == stored
     assert capsys.readouterr().err == (f"kvmix: warning: {old} is deprecated, use {new} "
                                        "(accepted until the next release)\n")
-    again = _parser().parse_args([command, *required, new, given])
+    again = make_parser().parse_args([command, *required, new, given])
     assert getattr(again, dest) == stored and capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize("command, old, new", sorted({r[:3] for r in RENAMED}))
 def test_an_old_spelling_is_hidden_from_help(command, old, new):
-    text = subcommands(_parser())[command].format_help()
+    text = subcommands(make_parser())[command].format_help()
     assert re.search(rf"(?<![\w-]){old}(?![\w-])", text) is None
     assert re.search(rf"(?<![\w-]){new}(?![\w-])", text)
 

@@ -3,7 +3,9 @@ import sys
 
 import pytest
 
-from kvmix.cli import _parser, main, subcommands
+from kvmix.cli import main
+from kvmix.commands import parser as make_parser
+from kvmix.commands import subcommands
 from kvmix.evaluation.data import load_text, token_ids
 from kvmix.methods import split_methods
 
@@ -109,7 +111,7 @@ def test_version_prints_the_packages_version(capsys):
 
 
 def test_every_flag_of_every_command_has_help():
-    commands = subcommands(_parser())
+    commands = subcommands(make_parser())
     assert len(commands) == 20
     bare = [f"kvmix {name} {'/'.join(action.option_strings) or action.dest}"
             for name, command in commands.items() for action in command._actions
@@ -130,5 +132,5 @@ def test_help_lists_every_command_under_its_group(capsys):
     studies = out.split("research studies:")[1].split("\n\n")[0]
     assert {line.split()[0] for line in studies.strip().splitlines()} == {
         "sweep", "criteria", "pairscore", "keyfirst", "norms", "recon", "transforms"}
-    for name in subcommands(_parser()):
+    for name in subcommands(make_parser()):
         assert re.search(rf"^  {name} ", out, re.MULTILINE), name

@@ -10,8 +10,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmix.commands import pages
 from kvmix.commands.args import config_from
-from kvmix.evaluation import pages
 from kvmix.evaluation.report import console, print_table
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvmix.cli import main
+from kvmix.commands import pages
 from kvmix.commands.report import ReportConfig, run_report
-from kvmix.evaluation import pages
 from kvmix.methods import method_names
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -52,9 +52,9 @@ def stale(paths: list[Path], root: Path) -> list[Path]:
 
 def cli_reference(_argument: str, _page: Path, _root: Path) -> str:
     """Every ``kvmix`` subcommand: its usage and a table of its options."""
-    from kvmix.cli import _parser
+    from kvmix.commands import parser as make_parser
 
-    parser = _parser()
+    parser = make_parser()
     commands = next(action for action in parser._actions
                     if isinstance(action, argparse._SubParsersAction))
     about = {action.dest: action.help for action in commands._choices_actions}
