@@ -5,6 +5,7 @@ in this checkout is what its results make."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,8 @@ def test_references_come_from_the_code(tmp_path):
     cli = pages.render(page.read_text(), page, tmp_path)
     for command in ("compare", "serve", "loadtest", "report"):
         assert f"## kvmix {command}\n" in cli
-    assert "`--methods`" in cli
+    assert "`--methods`" in cli and "&lt;" in cli  # plan --hardware's mac-<N>gb, escaped
+    assert "| `--temperature` | `0.0` |" in cli  # a zero default is shown
     page = _page(tmp_path, "<!-- kvmix:metrics -->")
     metrics = pages.render(page.read_text(), page, tmp_path)
     assert "`kvmix:num_requests_running`" in metrics
@@ -106,7 +108,11 @@ def test_report_check_fails_on_a_stale_page_and_rewrites_it(tmp_path):
     assert main(["report", str(page), "--root", str(tmp_path), "--check"]) == 0
 
 
-def test_the_readme_matches_its_committed_results():
-    """The README's tables and figure are what docs/benchmarks/runs/ holds: after a new run,
-    `kvmix report README.md` rewrites them."""
-    assert pages.stale([ROOT / "README.md"], ROOT) == []
+def test_pages_with_results_match_the_committed_results():
+    """The README's and the docs' tables and figures are what docs/benchmarks/runs/ holds:
+    after a new run, `kvmix report README.md docs/...` rewrites them. (The references are
+    filled at each docs build.)"""
+    shown = [path for path in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+             if re.search(r"<!-- kvmix:(results|figure) ", path.read_text())]
+    assert ROOT / "README.md" in shown and ROOT / "docs/benchmarks/index.md" in shown
+    assert pages.stale(shown, ROOT) == []

@@ -13,6 +13,7 @@ results (several ``results.json`` below ``NAME`` are repeats, shown as median (m
 from __future__ import annotations
 
 import argparse
+import html
 import importlib
 import json
 import os
@@ -53,14 +54,12 @@ def stale(paths: list[Path], root: Path) -> list[Path]:
 def cli_reference(_argument: str, _page: Path, _root: Path) -> str:
     """Every ``kvmix`` subcommand: its usage and a table of its options."""
     from kvmix.commands import parser as make_parser
+    from kvmix.commands import subcommands
 
     parser = make_parser()
-    commands = next(action for action in parser._actions
-                    if isinstance(action, argparse._SubParsersAction))
-    about = {action.dest: action.help for action in commands._choices_actions}
     parts = [_usage(parser)]
-    for name, sub in commands.choices.items():
-        parts += [f"## kvmix {name}", about.get(name) or "", _usage(sub), _options(sub)]
+    for name, sub in subcommands(parser).items():
+        parts += [f"## kvmix {name}", sub.description or "", _usage(sub), _options(sub)]
     return "\n\n".join(part for part in parts if part)
 
 
@@ -78,7 +77,8 @@ def _options(parser: argparse.ArgumentParser) -> str:
             continue
         flags = ", ".join(f"`{flag}`" for flag in action.option_strings) or f"`{action.dest}`"
         default = action.default
-        shown = "" if default in (None, False, argparse.SUPPRESS) else f"`{default}`"
+        hidden = default is None or default is False or default is argparse.SUPPRESS
+        shown = "" if hidden else f"`{default}`"
         lines.append(f"| {flags} | {shown} | {_escape(action.help or '')} |")
     return "\n".join(lines)
 
@@ -123,7 +123,7 @@ def figure(argument: str, page: Path, root: Path) -> str:
     path = folder / file
     if not path.is_file():
         raise ValueError(f"{page}: figure {argument!r}: {path} is missing")
-    first = _load(next(folder.rglob("results.json")))
+    first = _load(sorted(folder.rglob("results.json"))[0])
     link = os.path.relpath(path, page.parent)
     return f"![{first['command']}: {file}]({link})\n\n{_provenance(first)}"
 
@@ -193,7 +193,8 @@ def _table(rows: list[dict], columns: dict[str, str]) -> str:
 
 
 def _escape(text: str) -> str:
-    return str(text).replace("|", "\\|").replace("\n", " ")
+    """A table cell: no pipes or line breaks, and ``<N>`` shown, not read as HTML."""
+    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
 
 
 KINDS: dict[str, Callable[[str, Path, Path], str]] = {
