@@ -4,6 +4,7 @@ MB (10^6 bytes); results.json keeps each row's bytes as integers beside them."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,20 +107,23 @@ def _megabytes(row: dict) -> dict:
 
 
 def _plot(config: CompareConfig, rows: list[dict], model: str) -> Path:
-    """Cache MB against token KL, one labelled point per method; the KL axis is logarithmic
-    (linear below the smallest nonzero KL, where ``full``'s 0 lies) when it spans over 100×."""
+    """Cache MB against token KL, one point per method named in the legend (methods of about
+    the same size would hide each other's labels); the KL axis is logarithmic (linear below the
+    smallest nonzero KL, where ``full``'s 0 lies) when it spans over 100×."""
     Path(config.out).mkdir(parents=True, exist_ok=True)
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for row in rows:
-        axes.plot(row["cache_mb"], row["token_kl"], marker="o", linestyle="")
-        axes.annotate(row["method"], (row["cache_mb"], row["token_kl"]), fontsize=8,
-                      xytext=(4, 4), textcoords="offset points")
+    figure, axes = plt.subplots(figsize=(9, 4.5))
+    for row, marker in zip(rows, itertools.cycle("osD^vP*X"), strict=False):
+        axes.plot(row["cache_mb"], row["token_kl"], marker=marker, markersize=8, linestyle="",
+                  label=row["method"])
     kls = [row["token_kl"] for row in rows if row["token_kl"] > 0]
-    if kls and max(kls) > 100 * min(kls):
+    log = bool(kls) and max(kls) > 100 * min(kls)
+    if log:
         axes.set_yscale("symlog", linthresh=min(kls))
-    axes.set(xlabel="KV cache (MB)", ylabel="token KL vs full", title=f"{model} · "
-             f"{config.data} · context {config.context} + {config.eval_tokens} tokens")
+    axes.set(xlabel="KV cache (MB)", ylabel="token KL vs full" + (" (log)" if log else ""),
+             title=f"{model} · {config.data} · context {config.context} + "
+                   f"{config.eval_tokens} tokens")
     axes.grid(alpha=0.3)
+    axes.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     figure.tight_layout()
     figure.savefig(Path(config.out) / "compare.png", dpi=120)
     plt.close(figure)
