@@ -56,6 +56,7 @@ class OpenGroups:
         groups.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
                         settings.staging, device, fixed=True)
         groups.add([method.group] * slots)
+        assert groups.offset == [s * method.group for s in range(slots)]  # what plans assume
         probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
         sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
                                                           device=device)
@@ -77,6 +78,8 @@ class LayerCache:
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
         self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
+        self.transforms = [name for name in ("transform_queries", "transform_keys")
+                           if getattr(type(method), name) is not getattr(Method, name)]
         self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
@@ -107,46 +110,69 @@ class LayerCache:
         Every new key and value is taken as the staging holds it (in its dtype), whether it is
         staged, sealed or attended in this step: what a token is does not depend on how vLLM
         schedules it."""
-        query = self._transformed(query, self.method.transform_queries)  # [N, Hq, D]
-        key = self._transformed(key, self.method.transform_keys)
-        kv = torch.stack([key, value], 1).to(self.staged.dtype)  # [N, 2, H, D]
+        query = self._transformed(query, "transform_queries")  # [N, Hq, D]
+        key = self._transformed(key, "transform_keys")
+        new = self._new_tokens(key, value)  # [2, H, N, D]
+        kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
         if plan.sealed:
             self._seal(plan, query, kv, sums)
         if plan.decode_tokens.numel():
-            self._decode(plan, query, kv, scale, output)
+            self._decode(plan, query, kv, new, scale, output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
-        self._stage(plan, kv)
+        self._stage(plan, new)
 
-    def _transformed(self, x: torch.Tensor, transform) -> torch.Tensor:
-        """x [N, h, D] through one of the method's transforms (they take [1, h, N, D])."""
-        return transform(_heads_first(x), self.layer)[0].transpose(0, 1)
+    def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
+        the method has one."""
+        if name not in self.transforms:
+            return x
+        return getattr(self.method, name)(_heads_first(x), self.layer)[0].transpose(0, 1)
+
+    def _new_tokens(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """key, value [N, H, D] -> [2, H, N, D] in the staging dtype (contiguous: the CPU op
+        reads the kernel rows' new tokens in it)."""
+        N, H, D = key.shape
+        new = torch.empty(2, H, N, D, dtype=self.staged.dtype, device=key.device)
+        new[0].copy_(key.transpose(0, 1))
+        new[1].copy_(value.transpose(0, 1))
+        return new
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _decode(self, plan: StepPlan, query, kv, scale: float, output) -> None:
+    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
-        kernels (or, without them, row by row)."""
+        kernels (or, without them, row by row). The CPU op reads each row's floats where they
+        lie (the staging, the step's ``new`` tokens [2, H, N, D]); the other paths from the
+        step's float buffer."""
         tokens = plan.decode_tokens
-        context = self._context(plan, kv)
         if self.kernels == "torch":
+            context = self._context(plan, kv)
             for row, token in enumerate(tokens.tolist()):
                 self._reference(plan, row, token, query, context, scale, output)
             return
         pool = self._pool_view(plan)
-        rows = query[tokens].float().contiguous()  # [Rd, Hq, D]
+        rows = query if plan.every_token else query[tokens]
+        rows = rows.float().contiguous()  # [Rd, Hq, D]
         if self.kernels == "triton":
             table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
             out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
-                                   (*context, plan.spans))
-        else:
-            if context.dtype not in cpu.SEGMENT_DTYPES:
-                context = context.float()
+                                   (*self._context(plan, kv), plan.spans))
+        elif new.dtype in cpu.SEGMENT_DTYPES:  # staging [1, H, slots·G, D], new [1, H, N, D]
             out = torch.ops.kvmix.decode_batch(
-                rows, scale, *context, plan.spans, self.method.group, plan.table, plan.held,
-                plan.counts, *batch.arguments(pool, "cpu", cpu.built_arguments))
-        output[tokens] = out.to(output.dtype)
+                rows, scale, self.staged.keys, self.staged.values, plan.inplace_spans,
+                self.method.group, plan.table, plan.held, plan.counts,
+                *batch.arguments(pool, "cpu", cpu.built_arguments), None, new[0:1], new[1:2])
+        else:  # a staging the op does not read (bfloat16): the float buffer, widened
+            out = torch.ops.kvmix.decode_batch(
+                rows, scale, *self._context(plan, kv).float(), plan.spans, self.method.group,
+                plan.table, plan.held, plan.counts,
+                *batch.arguments(pool, "cpu", cpu.built_arguments))
+        if plan.every_token:
+            output.copy_(out)
+        else:
+            output[tokens] = out.to(output.dtype)
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The step's float buffer: each kernel row's group (staged tokens, then new ones) once
@@ -252,7 +278,7 @@ class LayerCache:
         model's dtype."""
         (_, H, _, D), G = self.staged.keys.shape, self.method.group
         groups = kv.new_zeros(2, plan.sealed, H, G, D, dtype=self.dtype)
-        carried = self.staged.take(self.staged.positions(plan.carry_slots, plan.carry_offsets))
+        carried = self.staged.take(plan.carry_positions)
         groups[:, plan.carry_entries, :, plan.carry_offsets] = \
             torch.stack(carried, 1).to(self.dtype)  # [n, 2, H, D]
         groups[:, plan.seal_entries, :, plan.seal_offsets] = kv[plan.seal_tokens].to(self.dtype)
@@ -300,11 +326,11 @@ class LayerCache:
         self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])
         return sealed
 
-    def _stage(self, plan: StepPlan, kv: torch.Tensor) -> None:
-        """The new tokens of groups still open into their slots."""
-        new = kv[plan.staged_tokens]  # [n, 2, H, D]
-        self.staged.put(self.staged.positions(plan.staged_slots, plan.staged_offsets),
-                        new[:, 0], new[:, 1])
+    def _stage(self, plan: StepPlan, new: torch.Tensor) -> None:
+        """The new tokens [2, H, N, D] of groups still open into their slots."""
+        if not plan.all_staged:
+            new = new[:, :, plan.staged_tokens]  # [2, H, n, D]
+        self.staged.put(plan.staged_positions, *new.transpose(1, 2))
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

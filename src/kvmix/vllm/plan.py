@@ -108,10 +108,11 @@ class Staging:
 class StepPlan:
     """Index tensors every layer of a step reads (int64, on the cache's device).
 
+    Staging slot ``s`` holds its open group at staging positions ``s·G .. s·G + G - 1``.
     Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
-    open group go to ``staged_slots`` at ``staged_offsets``; those of a group sealed now to
+    open group go to staging positions ``staged_positions``; those of a group sealed now to
     entry ``seal_entries`` of the seal buffer [E, H, G, D] at ``seal_offsets``, joined by the
-    staged tokens ``carry_slots`` / ``carry_offsets`` (into ``carry_entries``).
+    staged tokens at ``carry_positions`` (into ``carry_entries`` at ``carry_offsets``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
     [E] (True where the group is its row's first: it selects).
     Kernel rows (one per token attended by the kernels: a decode row's token, and with
@@ -119,19 +120,23 @@ class StepPlan:
     ``held`` [Rd, M] and ``counts`` [Rd] the pages of the groups before its own; its own group's
     floats up to it in the step's float buffer [U·G] (an entry of G slots per distinct group:
     the staging slot that opens it, ``float_slots`` [U], then the new tokens, each token's at
-    ``context_slots`` [Rd]), read through ``spans`` [Rd, 4].
+    ``context_slots`` [Rd]), read through ``spans`` [Rd, 4] (the Triton kernels and the
+    reference path). The CPU op reads the same floats where they lie (``inplace_spans`` [Rd,
+    4]): the staged tokens of the row's group in the staging (start, count), then its group's
+    new tokens up to it in the step's tokens (start, count).
+    ``every_token``: the kernel rows are the step's tokens in order (a decode-only step);
+    ``all_staged``: every token of the step stays staged.
     Other rows (prefill chunks through the reference path): ``chunks``, on the host.
     """
 
     group: int
     staged_tokens: torch.Tensor
-    staged_slots: torch.Tensor
-    staged_offsets: torch.Tensor
+    staged_positions: torch.Tensor
     seal_tokens: torch.Tensor
     seal_entries: torch.Tensor
     seal_offsets: torch.Tensor
     carry_entries: torch.Tensor
-    carry_slots: torch.Tensor
+    carry_positions: torch.Tensor
     carry_offsets: torch.Tensor
     seal_pages: torch.Tensor
     seal_first: torch.Tensor
@@ -149,6 +154,9 @@ class StepPlan:
     held: torch.Tensor
     counts: torch.Tensor
     spans: torch.Tensor  # [Rd, 4] what each kernel row reads of the float buffer
+    inplace_spans: torch.Tensor  # [Rd, 4] what it reads of the staging and the step's tokens
+    every_token: bool
+    all_staged: bool
     chunks: list[Chunk]
 
     @property
@@ -279,13 +287,12 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     return StepPlan(
         group=G,
         staged_tokens=plan(np.flatnonzero(~sealing)),
-        staged_slots=plan(final_slots[token_row[~sealing]]),
-        staged_offsets=plan(offset[~sealing]),
+        staged_positions=plan(final_slots[token_row[~sealing]] * G + offset[~sealing]),
         seal_tokens=plan(np.flatnonzero(sealing)),
         seal_entries=plan(token_entry[sealing]),
         seal_offsets=plan(offset[sealing]),
         carry_entries=plan(entry_start[carry_row]),
-        carry_slots=plan(staged_slots[carry_row]),
+        carry_positions=plan(staged_slots[carry_row] * G + carry_offset),
         carry_offsets=plan(carry_offset),
         seal_pages=plan(seal_pages),
         seal_first=plan(page(entry_row, np.zeros_like(entry_row))),
@@ -299,6 +306,9 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         float_slots=plan(rows_of["float_slots"]),
         context_slots=plan(rows_of["context_slots"]),
         spans=plan(rows_of["float_spans"]),
+        inplace_spans=plan(rows_of["inplace_spans"]),
+        every_token=rows > 0 and bool(kernel.all()),
+        all_staged=rows > 0 and not sealing.any(),
         decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
         **_history(plan, page, rows_of["row"], rows_of["group"], G),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
@@ -323,7 +333,9 @@ def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray
     rows are in, opened by its staged tokens (``float_slots``: its request's slot where the
     group is the one open before the step, else 0: none is read), then its new tokens — which
     are the kernel rows' own tokens, each at ``context_slots``, its entry's slot for its offset.
-    A row reads its entry up to itself (``float_spans``)."""
+    A row reads its entry up to itself (``float_spans``), or the same floats where they lie
+    (``inplace_spans``): its group's staged tokens in its slot (those of the group open before
+    the step), then its group's new tokens up to it, consecutive in the step's tokens."""
     row, at = token_row[tokens], position[tokens]
     group, offset = at // G, at % G
     _, first, entry = np.unique(row * (int(group.max(initial=0)) + 1) + group, return_index=True,
@@ -331,9 +343,13 @@ def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray
     own = group[first] == before[row[first]] // G
     spans = np.zeros((len(tokens), 4), dtype=np.int64)
     spans[:, 2], spans[:, 3] = entry * G, offset + 1
+    staged = np.where(group == before[row] // G, before[row] % G, 0)  # [Rd] read in place
+    inplace = np.stack([np.where(staged > 0, staged_slots[row] * G, 0), staged,
+                        tokens - (offset - staged), offset - staged + 1], 1)
     return {"row": row, "group": group, "decode_tokens": tokens,
             "float_slots": np.where(own, np.maximum(staged_slots[row[first]], 0), 0),
-            "context_slots": entry * G + offset, "float_spans": spans}
+            "context_slots": entry * G + offset, "float_spans": spans,
+            "inplace_spans": inplace.reshape(-1, 4)}
 
 
 def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[str, torch.Tensor]:

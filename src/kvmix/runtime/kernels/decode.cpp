@@ -329,16 +329,19 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
 // float slot) over float slots [S, H, T, D], or one arena [1, H, T, D] all sequences share
-// (spans [S, 4]: sink start and length, residual start and length, in the sequence's row) and pages of one pool read through the block table (pages, held [S, M],
-// counts [S]): float pages [P, H, G, D] (the `full` method), or packed ones with per-sequence
-// plane indices, multipliers and key offsets [S or 1, H, ...].
+// (spans [S, 4]: sink start and length, residual start and length, in the sequence's row; with
+// step keys and values [1, H, N, D], the second span lies in them: the vLLM plugin's new tokens),
+// and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
+// pages [P, H, G, D] (the `full` method), or packed ones with per-sequence plane indices,
+// multipliers and key offsets [S or 1, H, ...].
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
                     const std::optional<Tensor>& page_keys,
                     const std::optional<Tensor>& page_values, const Planes& planes,
                     const Groups& token_keys, const Groups& value_groups,
-                    const std::optional<Tensor>& skip) {
+                    const std::optional<Tensor>& skip, const std::optional<Tensor>& step_keys,
+                    const std::optional<Tensor>& step_values) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -363,6 +366,19 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const size_t width = half ? 2 : 4;  // bytes per element
   const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
   const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
+  // the second span in the step's own tokens [1, H, N, D] where they are given, else in the slots
+  check(step_keys.has_value() == step_values.has_value(), "step keys and values must pair up");
+  const bool step = step_keys.has_value();
+  if (step)
+    check(step_keys->dim() == 4 && step_keys->size(0) == 1 && step_keys->size(1) == H &&
+              step_keys->size(3) == D && step_keys->scalar_type() == slot_keys.scalar_type() &&
+              step_values->sizes() == step_keys->sizes() &&
+              step_values->scalar_type() == slot_keys.scalar_type(),
+          "step keys and values must be [1, H, N, D] of the slots' dtype");
+  const int64_t N = step ? step_keys->size(2) : T;
+  const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
+  const char* step_v =
+      step ? static_cast<const char*>(elements(*step_values, "step values")) : values;
   Packed pool;
   const bool packed = value_groups.has_value();
   const bool floats = page_keys.has_value();
@@ -379,11 +395,15 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
               scale);
     for (int which = 0; which < 2; ++which) {
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
-      check(start >= 0 && length >= 0 && start + length <= T, "spans must lie in the slots");
-      const int64_t at = (s * row_step + start) * D;
+      const bool own = step && which == 1;  // in the step's tokens
+      const int64_t extent = own ? N : T;
+      check(start >= 0 && length >= 0 && start + length <= extent,
+            "spans must lie in the slots (the second in the step's tokens where given)");
+      const int64_t at = ((own ? 0 : s * row_step) + start) * D;
       if (length)
-        p.segments.push_back({keys + at * width, values + at * width, 1, length, false, T * D,
-                              half});
+        p.segments.push_back({(own ? step_k : keys) + at * width,
+                              (own ? step_v : values) + at * width, 1, length, false,
+                              extent * D, half});
     }
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
     const int64_t* ids = data<int64_t>(pages, "pages") + s * M;
@@ -450,7 +470,8 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor? page_keys, "
       "Tensor? page_values, __torch__.torch.classes.kvmix.ChannelPlanes? planes, "
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
-      "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None) -> Tensor");
+      "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
+      "Tensor? step_keys=None, Tensor? step_values=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {

@@ -1,0 +1,143 @@
+"""Where a decode step's time goes inside vLLM's offline engine, kvmix's plugin against vLLM's
+own cache, at the same batch: ``ROWS`` random 128-token prompts decoded together with every row
+running (the budget holds them all), the engine core in this process. Per decode-only step
+(every row one token), milliseconds split into:
+
+* model: the model's forward less its attention layers (vLLM's linear layers, norms, RoPE);
+* attention: the attention layers' ``forward`` (kvmix: ``KvmixImpl``), of which kvmix's op
+  (``torch.ops.kvmix.decode_batch``, the fused CPU kernel) is counted apart from the Python and
+  torch ops around it;
+* plan: the attention metadata builder (kvmix: ``plan_step``, once for every layer);
+* vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
+
+In the vLLM environment, for each setting (``fp8`` and ``auto`` are vLLM's own caches):
+
+    .venv-vllm/bin/python scripts/vllm_step_profile.py MODEL_DIR fp8 kivi2 pnmix1:group=32
+
+MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
+``ROWS`` (24), ``PROMPT`` (128) and ``TOKENS`` (256, decode steps: the first 32 are skipped)
+come from the environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process
+os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+
+ROWS = int(os.environ.get("ROWS", 24))
+PROMPT = int(os.environ.get("PROMPT", 128))
+TOKENS = int(os.environ.get("TOKENS", 256))
+SKIP = 32  # decode steps before the ones counted (warm caches, steady batch)
+PARTS = ("model", "attention", "op", "plan", "vLLM")
+
+
+class Clock:
+    """Seconds spent inside wrapped callables, per name, for the step being run."""
+
+    def __init__(self):
+        self.now: dict[str, float] = defaultdict(float)
+        self.depth: dict[str, int] = defaultdict(int)
+        self.decode = False  # the step's plan had one token a row
+
+    def wrap(self, owner, name: str, part: str) -> None:
+        inner = getattr(owner, name)
+        clock = self
+
+        def timed(*args, **kwargs):
+            clock.depth[part] += 1
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                clock.depth[part] -= 1
+                if not clock.depth[part]:  # nested calls (a layer inside a model) once
+                    clock.now[part] += time.perf_counter() - start
+
+        setattr(owner, name, timed)
+
+    @contextmanager
+    def step(self):
+        self.now.clear()
+        start = time.perf_counter()
+        yield
+        self.now["step"] = time.perf_counter() - start
+
+
+def instrument(clock: Clock, setting: str) -> None:
+    import torch
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+
+    clock.wrap(LlamaForCausalLM, "forward", "forward")
+    if setting in ("auto", "fp8"):
+        from vllm.v1.attention.backends import cpu_attn
+
+        clock.wrap(cpu_attn.CPUAttentionBackendImpl, "forward", "attention")
+        builder = cpu_attn.CPUAttentionMetadataBuilder
+    else:
+        from kvmix.runtime.kernels import cpu
+        from kvmix.vllm import backend
+
+        cpu.load()
+        clock.wrap(backend.KvmixImpl, "forward", "attention")
+        clock.wrap(torch.ops.kvmix, "decode_batch", "op")
+        builder = backend.KvmixMetadataBuilder
+    build = builder.build
+
+    def build_and_mark(self, common_prefix_len, meta, *args, **kwargs):
+        clock.decode = meta.num_actual_tokens == meta.num_reqs
+        return build(self, common_prefix_len, meta, *args, **kwargs)
+
+    builder.build = build_and_mark
+    clock.wrap(builder, "build", "plan")
+
+
+def profile(model: str, setting: str) -> dict[str, float]:
+    import torch
+    from vllm import LLM, SamplingParams
+
+    clock = Clock()
+    instrument(clock, setting)
+    cache = {"kv_cache_dtype": setting} if setting in ("auto", "fp8") else {
+        "additional_config": {"kvmix": {"method": setting}}}
+    llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
+              max_model_len=PROMPT + TOKENS + 1, max_num_seqs=ROWS, seed=0,
+              kv_cache_memory_bytes=4 * ROWS * (PROMPT + TOKENS) * 2 * 30 * 3 * 64 + (64 << 20),
+              **cache)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}
+               for _ in range(ROWS)]
+    params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=0)
+    engine = llm.llm_engine
+    for index, prompt in enumerate(prompts):
+        engine.add_request(str(index), prompt, params)
+    steps, decodes = [], 0
+    while engine.has_unfinished_requests():
+        with clock.step():
+            engine.step()
+        if clock.decode and clock.now["plan"]:
+            decodes += 1
+            if SKIP < decodes < TOKENS - 1:
+                steps.append(dict(clock.now))
+    mean = {key: 1e3 * sum(s.get(key, 0.0) for s in steps) / len(steps)
+            for key in ("step", "forward", "attention", "op", "plan")}
+    parts = {"model": mean["forward"] - mean["attention"],
+             "attention": mean["attention"] - mean["op"], "op": mean["op"], "plan": mean["plan"],
+             "vLLM": mean["step"] - mean["forward"] - mean["plan"], "step": mean["step"]}
+    print(f"{setting:>18} x{ROWS} ({len(steps)} decode steps, context {PROMPT + SKIP}.."
+          f"{PROMPT + TOKENS}): " + ", ".join(f"{key} {parts[key]:.1f}" for key in
+                                                (*PARTS, "step")) + " ms", flush=True)
+    return parts
+
+
+if __name__ == "__main__":
+    model, *settings = sys.argv[1:]
+    if len(settings) == 1:
+        profile(model, settings[0])
+    for setting in settings if len(settings) > 1 else ():  # one engine a process
+        subprocess.run([sys.executable, __file__, model, setting], check=True)
