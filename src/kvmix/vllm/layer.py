@@ -253,10 +253,20 @@ class LayerCache:
         key = (self._selected, firsts, rows)
         if self._views[0] != key or self._views[1] is None:
             pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))
-            selections = [None] * rows if firsts is None else [self._selection([p])
-                                                                for p in firsts]
-            self._views = key, batch.build_pool_view(self.method, self.layer, pool, selections)
+            self._views = key, batch.build_pool_view(self.method, self.layer, pool,
+                                                     self._row_selections(firsts, rows))
         return self._views[1]
+
+    def _row_selections(self, firsts: tuple[int, ...] | None, rows: int) -> list[Any]:
+        """Each kernel row's selection, one object per distinct first page (fetched in one
+        ``index_select``): rows of one sequence share it, and so its kernel view."""
+        if firsts is None:
+            return [None] * rows
+        pages = list(dict.fromkeys(firsts))
+        chosen = self._selection(pages)  # [U, ...]
+        by_page = {page: map_tensors(chosen, lambda t, i=i: t[i : i + 1])
+                   for i, page in enumerate(pages)}
+        return [by_page[page] for page in firsts]
 
     # -- seal and stage ------------------------------------------------------------------------
 

@@ -66,15 +66,19 @@ def build_pool_view(method: Method, layer: int, pool: Any, selections: list[Any]
     for sequences of ``selections`` (one kernel view per distinct selection object), or None
     where the method has no kernel view. Shared by kvmix's cache and its vLLM plugin."""
     distinct = {id(s): s for s in selections}
-    views = {key: method.kernel_view(pool, layer, s) for key, s in distinct.items()}
-    if any(v is None for v in views.values()):
+    views = [method.kernel_view(pool, layer, s) for s in distinct.values()]
+    if any(v is None for v in views):
         return None
-    first = next(iter(views.values()))
-    if not isinstance(first.keys, ChannelKeys):
-        return PoolView(first, [], [], None)
-    planes = [views[id(s)].keys.planes for s in selections]
-    count = range(len(first.keys.planes))
-    index = [torch.stack([p[i].index for p in planes]) for i in count]
-    mult = [torch.stack([p[i].mult for p in planes]).float() for i in count]
-    offset = torch.stack([views[id(s)].keys.offset.float() for s in selections])
-    return PoolView(first, index, mult, offset.contiguous())
+    if not isinstance(views[0].keys, ChannelKeys):
+        return PoolView(views[0], [], [], None)
+    position = {key: i for i, key in enumerate(distinct)}
+    rows = [position[id(s)] for s in selections] if len(views) < len(selections) else None
+
+    def per_row(parts: list[torch.Tensor]) -> torch.Tensor:  # U x [H, ...] -> [B, H, ...]
+        return torch.stack(parts if rows is None else [parts[r] for r in rows])
+
+    count = range(len(views[0].keys.planes))
+    index = [per_row([v.keys.planes[i].index for v in views]) for i in count]
+    mult = [per_row([v.keys.planes[i].mult for v in views]).float() for i in count]
+    offset = per_row([v.keys.offset.float() for v in views])
+    return PoolView(views[0], index, mult, offset.contiguous())
