@@ -297,9 +297,9 @@ class LayerCache:
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
                 values: torch.Tensor) -> None:
         """Selections of the rows whose first group is sealed now, into their first pages."""
-        if not plan.first.any():
+        if not plan.selects:
             return
-        first = plan.first.nonzero().flatten()
+        first = plan.first_entries
         tokens = torch.full((len(first),), float(self.method.group), device=keys.device)
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer, values[first])
@@ -324,13 +324,13 @@ class LayerCache:
         """Query sums of first groups: per sealed group [E, H, C], its slot's and its new
         tokens'; the new tokens of first groups still open added to their slots (restarted
         where a group opens: a slot sealed now may open another row's group)."""
-        if self.sums is None:
+        if self.sums is None or not plan.sum_tokens.numel():  # no first group's token
             return None
         new = self.method.query_sums(query[plan.sum_tokens].unsqueeze(2))
         sealed = self.sums.new_zeros(plan.sealed, *self.sums.shape[1:])
         sealed.index_add_(0, plan.sum_rows[plan.sum_sealed], new[plan.sum_sealed])
         carried = plan.carry_sums >= 0
-        firsts = plan.first.nonzero().flatten()[carried]
+        firsts = plan.first_entries[carried]
         sealed[firsts] += self.sums[plan.carry_sums[carried]]
         self.sums.index_fill_(0, plan.new_slots, 0.0)
         self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])

@@ -113,8 +113,8 @@ class StepPlan:
     open group go to staging positions ``staged_positions``; those of a group sealed now to
     entry ``seal_entries`` of the seal buffer [E, H, G, D] at ``seal_offsets``, joined by the
     staged tokens at ``carry_positions`` (into ``carry_entries`` at ``carry_offsets``).
-    Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page), ``first``
-    [E] (True where the group is its row's first: it selects).
+    Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page),
+    ``first_entries`` (those that are their row's first group: they select).
     Kernel rows (one per token attended by the kernels: a decode row's token, and with
     ``fused`` every token of a prefill chunk): ``decode_tokens`` [Rd] its query; ``table``,
     ``held`` [Rd, M] and ``counts`` [Rd] the pages of the groups before its own; its own group's
@@ -125,7 +125,8 @@ class StepPlan:
     4]): the staged tokens of the row's group in the staging (start, count), then its group's
     new tokens up to it in the step's tokens (start, count).
     ``every_token``: the kernel rows are the step's tokens in order (a decode-only step);
-    ``all_staged``: every token of the step stays staged.
+    ``all_staged``: every token of the step stays staged; ``selects``: some first group is
+    sealed (on the host: none in most steps).
     Other rows (prefill chunks through the reference path): ``chunks``, on the host.
     """
 
@@ -140,7 +141,6 @@ class StepPlan:
     carry_offsets: torch.Tensor
     seal_pages: torch.Tensor
     seal_first: torch.Tensor
-    first: torch.Tensor
     new_slots: torch.Tensor  # slots whose group opens this step (their query sums restart)
     sum_rows: torch.Tensor  # per new token of a first group: its slot, or its seal entry
     sum_tokens: torch.Tensor
@@ -157,6 +157,8 @@ class StepPlan:
     inplace_spans: torch.Tensor  # [Rd, 4] what it reads of the staging and the step's tokens
     every_token: bool
     all_staged: bool
+    first_entries: torch.Tensor
+    selects: bool
     chunks: list[Chunk]
 
     @property
@@ -296,7 +298,6 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         carry_offsets=plan(carry_offset),
         seal_pages=plan(seal_pages),
         seal_first=plan(page(entry_row, np.zeros_like(entry_row))),
-        first=plan(entry_first, torch.bool),
         new_slots=plan(final_slots[opening]),
         sum_rows=plan(np.where(sealing, token_entry, final_slots[token_row])[first_group]),
         sum_tokens=plan(np.flatnonzero(first_group)),
@@ -309,6 +310,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         inplace_spans=plan(rows_of["inplace_spans"]),
         every_token=rows > 0 and bool(kernel.all()),
         all_staged=rows > 0 and not sealing.any(),
+        first_entries=plan(np.flatnonzero(entry_first)),
+        selects=bool(entry_first.any()),
         decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
         **_history(plan, page, rows_of["row"], rows_of["group"], G),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
