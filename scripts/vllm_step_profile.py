@@ -10,9 +10,14 @@ running (the budget holds them all), the engine core in this process. Per decode
 * plan: the attention metadata builder (kvmix: ``plan_step``, once for every layer);
 * vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
 
-In the vLLM environment, for each setting (``fp8`` and ``auto`` are vLLM's own caches):
+In the vLLM environment, for each setting (``fp8`` and ``auto`` are vLLM's own caches; the
+first is the baseline of the ratios), one engine a process, settings in turn:
 
-    .venv-vllm/bin/python scripts/vllm_step_profile.py MODEL_DIR fp8 kivi2 pnmix1:group=32
+    .venv-vllm/bin/python scripts/vllm_step_profile.py MODEL_DIR fp8 kivi2 pnmix1:group=32 \
+        [--out DIR]
+
+``--out``: DIR/results.json with the table (run it again into DIR/1, DIR/2, ... and
+``kvmix report`` shows each figure as median (min-max) over the repeats).
 
 MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
 ``ROWS`` (24), ``PROMPT`` (128) and ``TOKENS`` (256, decode steps: the first 32 are skipped)
@@ -20,6 +25,7 @@ come from the environment."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -132,12 +138,42 @@ def profile(model: str, setting: str) -> dict[str, float]:
     print(f"{setting:>18} x{ROWS} ({len(steps)} decode steps, context {PROMPT + SKIP}.."
           f"{PROMPT + TOKENS}): " + ", ".join(f"{key} {parts[key]:.1f}" for key in
                                                 (*PARTS, "step")) + " ms", flush=True)
+    print("RESULT " + json.dumps({"setting": setting, "steps": len(steps), **parts}), flush=True)
     return parts
 
 
-if __name__ == "__main__":
-    model, *settings = sys.argv[1:]
-    if len(settings) == 1:
+COLUMNS = {"setting": "setting", "model": "model ms", "attention": "attention ms (less op)",
+           "op": "op ms", "plan": "plan ms", "vLLM": "vLLM ms", "step": "step ms",
+           "kvmix": "attention+op+plan ms", "step_ratio": "step / first's"}
+
+
+def main(argv: list[str]) -> None:
+    out = argv.index("--out") if "--out" in argv else None
+    folder = None if out is None else argv[out + 1]
+    model, *settings = argv[: out] if out is not None else argv
+    if len(settings) == 1 and folder is None:
         profile(model, settings[0])
-    for setting in settings if len(settings) > 1 else ():  # one engine a process
-        subprocess.run([sys.executable, __file__, model, setting], check=True)
+        return
+    rows = []
+    for setting in settings:  # one engine a process
+        done = subprocess.run([sys.executable, __file__, model, setting], check=True,
+                              capture_output=True, text=True)
+        lines = done.stdout.splitlines()
+        rows.append(json.loads(next(x for x in lines if x.startswith("RESULT "))[7:]))
+        print(next(x for x in lines if f" x{ROWS} (" in x), flush=True)
+    for row in rows:
+        row["kvmix"] = row["attention"] + row["op"] + row["plan"]
+        row["step_ratio"] = row["step"] / rows[0]["step"]
+    if folder:
+        from kvmix.evaluation import report
+
+        report.invocation = ["python", "scripts/vllm_step_profile.py", *argv]
+        title = (f"A decode step inside vLLM's offline engine, ms · {ROWS} rows of {PROMPT} + "
+                 f"{TOKENS} tokens, every row running")
+        report.write_results(folder, "vllm_step_profile",
+                             {"rows": ROWS, "prompt": PROMPT, "tokens": TOKENS, "skip": SKIP,
+                              "model": model, "settings": settings}, rows, (title, COLUMNS))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
