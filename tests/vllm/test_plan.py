@@ -404,3 +404,47 @@ def test_kernels_follow_the_device_and_a_choice_they_cannot_honour_is_refused(mo
     assert layer.kernels("auto", method, D, torch.float32, cuda) == "torch"
     with pytest.raises(Refused, match="Triton is not installed"):
         layer.kernels("triton", method, D, torch.float32, cuda)
+
+
+def test_a_plan_is_one_upload_into_a_buffer_the_next_step_reuses():
+    """Every index tensor of a step's plan is a view of one device buffer (one copy a step),
+    and the next step's plan fills the same buffer."""
+    from kvmix.runtime.steps import Staged
+
+    uploads, staging = Staged(), Staging(2)
+    table = np.arange(8).reshape(2, 4)
+    first = plan_step(staging, G, BLOCK, np.array([0, 11, 14]), np.array([11, 3]), table,
+                      torch.device("cpu"), fused=True, uploads=uploads)
+    buffer = uploads.buffer
+    tensors = [t for t in vars(first).values() if isinstance(t, torch.Tensor) and t.numel()
+               and t.dtype == torch.long]
+    assert len(tensors) > 10
+    assert all(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+               for t in tensors)
+    assert first.table.shape == (14, 1) and first.inplace_spans.shape == (14, 4)
+    second = plan_step(staging, G, BLOCK, np.array([0, 1, 2]), np.array([12, 4]), table,
+                       torch.device("cpu"), fused=True, uploads=uploads)
+    assert uploads.buffer is buffer
+    assert second.decode_tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_micro_batching_is_refused_by_name():
+    """vLLM's micro-batches (--enable-dbo, --ubatch-size) would plan two batches before either
+    runs: kvmix plans one batch a step and refuses them at start-up."""
+    from types import SimpleNamespace
+
+    from kvmix.vllm.backend import refuse
+
+    settings = settings_for("kivi2")
+    config = SimpleNamespace(
+        speculative_config=None, kv_transfer_config=None,
+        parallel_config=SimpleNamespace(use_ubatching=True),
+        cache_config=SimpleNamespace(enable_prefix_caching=False, block_size=BLOCK,
+                                     enable_extensible_kv_cache=False))
+    layer = {"head_size": D, "num_heads": HQ, "num_kv_heads": H, "sliding_window": None,
+             "kv_cache_dtype": "auto", "logits_soft_cap": None, "alibi_slopes": None,
+             "attn_type": "decoder", "kv_sharing_target_layer_name": None, "sinks": None}
+    with pytest.raises(Refused, match="micro-batching"):
+        refuse(config, settings, **layer)
+    config.parallel_config.use_ubatching = False
+    refuse(config, settings, **layer)

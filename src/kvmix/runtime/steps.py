@@ -25,6 +25,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 MIN_WIDTH = 16  # block-table columns at least: the width grows by doubling from here
@@ -78,18 +79,24 @@ class Workspace:
 
 
 class Staged:
-    """A persistent int64 device buffer filled from host lists, one non-blocking copy each
-    (from pinned memory on CUDA); it is reallocated only when it must grow."""
+    """A persistent int64 device buffer filled from host lists (or int64 numpy arrays), one
+    non-blocking copy each (from pinned memory on CUDA); it is reallocated only when it must
+    grow."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
 
-    def fill(self, values: list[int], device: torch.device) -> torch.Tensor:
+    def fill(self, values: list[int] | np.ndarray, device: torch.device) -> torch.Tensor:
         """``values`` on ``device`` -> [len(values)], a view of the buffer."""
         n = len(values)
         if self.buffer is None or self.buffer.numel() < n or self.buffer.device != device:
             self.buffer = torch.zeros(bucket(n), dtype=torch.long, device=device)
-        host = torch.tensor(values, dtype=torch.long, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        if isinstance(values, np.ndarray):
+            host = torch.from_numpy(values)
+            host = host.pin_memory() if pinned else host
+        else:
+            host = torch.tensor(values, dtype=torch.long, pin_memory=pinned)
         view = self.buffer[:n]
         view.copy_(host, non_blocking=True)
         return view

@@ -31,6 +31,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
+from kvmix.runtime.steps import Staged
 from kvmix.vllm import SELECTOR
 from kvmix.vllm.layer import LayerCache, OpenGroups, kernels, staging_nbytes
 from kvmix.vllm.pages import layout
@@ -138,6 +139,7 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         self.block_size = kv_cache_spec.block_size
         slots = vllm_config.scheduler_config.max_num_seqs
         self.staging = Staging(slots)
+        self.uploads = Staged()  # each step's plan: views of it
         settings = self.settings
         # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
         self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
@@ -160,7 +162,8 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         plan = plan_step(self.staging, self.settings.group, self.block_size, starts,
                          lengths.cpu().numpy().astype(np.int64)[:rows], table, self.device,
                          self.fused, self.settings.prefill == "exact",
-                         None if requests is None else np.asarray(requests)[:rows])
+                         None if requests is None else np.asarray(requests)[:rows],
+                         self.uploads)
         return KvmixMetadata(plan, meta.num_actual_tokens)
 
 
@@ -251,6 +254,8 @@ def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
         (layer["head_size"] != settings.spec.head_dim,
          f"head size {layer['head_size']} (the model config says {settings.spec.head_dim})"),
         (config.speculative_config is not None, "speculative decoding"),
+        (getattr(config.parallel_config, "use_ubatching", False),
+         "micro-batching (--enable-dbo or --ubatch-size: kvmix plans one batch a step)"),
         (config.kv_transfer_config is not None,
          "a KV connector (it copies blocks' bytes; kvmix lays a layer's pages out field by "
          "field)"),

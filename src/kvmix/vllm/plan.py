@@ -29,10 +29,13 @@ groups copy the selection from its first page.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
+
+from kvmix.runtime import steps
 
 QUERY_TOKENS = 64  # a chunk's queries attend in blocks of about this many positions
 
@@ -219,7 +222,8 @@ def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Bloc
 def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
               lengths: np.ndarray, block_table: np.ndarray, device: torch.device,
               fused: bool = False, exact: bool = False,
-              requests: np.ndarray | None = None) -> StepPlan:
+              requests: np.ndarray | None = None,
+              uploads: steps.Staged | None = None) -> StepPlan:
     """The plan of one step. starts [R + 1]: each row's first token (vLLM's query_start_loc);
     lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W];
     ``fused``: prefill chunks' tokens are kernel rows too, but for a prompt's first chunk when
@@ -227,7 +231,9 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     runner (Model Runner V2's ``req_idx``), which is then its staging slot: held by the request
     from its first step to vLLM's removal of it (finished, aborted or preempted), scheduled in
     a step or not, and handed to the next request only then — ``staging`` is not used. Without
-    it (vLLM's V1 runner) slots follow pages through ``staging``."""
+    it (vLLM's V1 runner) slots follow pages through ``staging``. ``uploads``: the persistent
+    device buffer the plan's index tensors are views of (one copy a step; a plan is read
+    before the next is made), else a buffer of its own."""
     G, per_block = group, block_size // group
     new = np.diff(starts)  # [R]
     before = lengths - new  # c
@@ -285,8 +291,8 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     kernel = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
     rows_of = _kernel_rows(np.flatnonzero(kernel[token_row]), token_row, position, before,
                            staged_slots, G)
-    plan = _Builder(device)
-    return StepPlan(
+    plan = _Uploads(device, uploads)
+    return plan.resolve(StepPlan(
         group=G,
         staged_tokens=plan(np.flatnonzero(~sealing)),
         staged_positions=plan(final_slots[token_row[~sealing]] * G + offset[~sealing]),
@@ -319,7 +325,7 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
                       int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
                       query_blocks(int(before[r]), int(new[r]), G, device))
                 for r in np.flatnonzero(~kernel)],
-    )
+    ))
 
 
 def idle_plan(group: int, block_size: int, device: torch.device) -> StepPlan:
@@ -365,12 +371,39 @@ def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[s
     return {"table": plan(table), "held": plan(valid * G), "counts": plan(opened)}
 
 
-class _Builder:
-    """numpy -> torch int64 (or ``dtype``) on the device."""
+@dataclass
+class _Queued:
+    """Where an index array of the plan lies in its upload, until it is made."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    start: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
-    def __call__(self, values: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
-        host = torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)).to(dtype)
-        return host.to(self.device, non_blocking=True)
+
+class _Uploads:
+    """A plan's index arrays on the device in one copy (``Staged``: one non-blocking copy into
+    a persistent buffer, from pinned memory on CUDA): each call queues an array (int64, or
+    ``dtype`` once on the device) and stands for it in the plan until ``resolve``."""
+
+    def __init__(self, device: torch.device, staged: steps.Staged | None):
+        self.device, self.staged = device, staged or steps.Staged()
+        self.arrays: list[np.ndarray] = []
+        self.size = 0
+
+    def __call__(self, values: np.ndarray, dtype: torch.dtype = torch.long) -> _Queued:
+        array = np.ascontiguousarray(values, dtype=np.int64)
+        self.arrays.append(array.ravel())
+        self.size += array.size
+        return _Queued(self.size - array.size, array.shape, dtype)
+
+    def resolve(self, plan: StepPlan) -> StepPlan:
+        """``plan`` with every queued array a view of the uploaded buffer."""
+        flat = self.staged.fill(np.concatenate(self.arrays), self.device)
+        for name in (f.name for f in fields(plan)):
+            queued = getattr(plan, name)
+            if isinstance(queued, _Queued):
+                size = math.prod(queued.shape)
+                tensor = flat[queued.start : queued.start + size].view(queued.shape)
+                setattr(plan, name, tensor if queued.dtype == torch.long else
+                        tensor.to(queued.dtype))
+        return plan
