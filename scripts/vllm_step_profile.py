@@ -113,6 +113,7 @@ def profile(model: str, setting: str) -> dict[str, float]:
         "additional_config": {"kvmix": {"method": setting}}}
     llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=PROMPT + TOKENS + 1, max_num_seqs=ROWS, seed=0,
+              # every row's tokens in float32 on the default model (30 layers, 3 KV heads of 64)
               kv_cache_memory_bytes=4 * ROWS * (PROMPT + TOKENS) * 2 * 30 * 3 * 64 + (64 << 20),
               **cache)
     g = torch.Generator().manual_seed(0)
@@ -130,6 +131,8 @@ def profile(model: str, setting: str) -> dict[str, float]:
             decodes += 1
             if SKIP < decodes < TOKENS - 1:
                 steps.append(dict(clock.now))
+    if not steps:
+        raise SystemExit(f"no decode step counted: TOKENS={TOKENS} must exceed {SKIP + 2}")
     mean = {key: 1e3 * sum(s.get(key, 0.0) for s in steps) / len(steps)
             for key in ("step", "forward", "attention", "op", "plan")}
     parts = {"model": mean["forward"] - mean["attention"],

@@ -307,6 +307,22 @@ def test_float16_staging_keeps_what_float16_holds():
     assert same(half.cache.pages, exact.cache.pages)
 
 
+def test_bfloat16_staging_reads_the_float_buffer_to_the_same_attention():
+    """A staging the CPU op does not read in place (bfloat16) goes through the step's float
+    buffer: on keys and values bfloat16 holds exactly, it gives float32 staging's pages and, to
+    float32 reassociation, its outputs."""
+    runs = []
+    for staging in (torch.bfloat16, torch.float32):
+        run = Run(settings_for("kivi2", staging))
+        run.k, run.v = ([x.bfloat16().float() for x in xs] for xs in (run.k, run.v))
+        runs.append(run.run())
+    brain, exact = runs
+    assert brain.cache.staged.dtype == torch.bfloat16 and brain.cache.kernels == "cpu"
+    for a, b in zip(brain.outputs, exact.outputs, strict=True):
+        assert_near(a, b, 1e-5)
+    assert same(brain.cache.pages, exact.cache.pages)
+
+
 @pytest.mark.parametrize("name, staging", [("pnmix1", torch.float16), ("kivi2", torch.float32)])
 def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
     settings = settings_for(name, staging)

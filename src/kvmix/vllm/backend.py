@@ -139,7 +139,10 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
         self.block_size = kv_cache_spec.block_size
         slots = vllm_config.scheduler_config.max_num_seqs
         self.staging = Staging(slots)
-        self.uploads = Staged()  # each step's plan: views of it
+        # each step's plan is views of one buffer, refilled by the next step's plan: safe as a
+        # step's plan is read before the next is built (no CUDA graphs, no micro-batches, no
+        # speculative drafts; the idle plan has a buffer of its own)
+        self.uploads = Staged()
         settings = self.settings
         # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
         self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
@@ -204,7 +207,7 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvmix: fused output quantization is not supported")
         cache = self._cache(layer, kv_cache)
-        n = attn_metadata.num_actual_tokens
+        n = attn_metadata.plan.tokens  # the step's tokens (any padding vLLM adds is after them)
         cache.step(attn_metadata.plan, query[:n], key[:n], value[:n], self.scale, output[:n])
         return output
 

@@ -56,7 +56,8 @@ class OpenGroups:
         groups.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
                         settings.staging, device, fixed=True)
         groups.add([method.group] * slots)
-        assert groups.offset == [s * method.group for s in range(slots)]  # what plans assume
+        if groups.offset != [s * method.group for s in range(slots)]:  # what plans assume
+            raise RuntimeError("kvmix: the staging's slots are not one group apart")
         probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
         sums = None if probe is None else probe.new_zeros(slots, *probe.shape[1:],
                                                           device=device)
@@ -114,7 +115,7 @@ class LayerCache:
         key = self._transformed(key, "transform_keys")
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
-        sums = self._first_group_sums(plan, query)  # every step: first groups fill over steps
+        sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if plan.sealed:
             self._seal(plan, query, kv, sums)
         if plan.decode_tokens.numel():
@@ -159,20 +160,25 @@ class LayerCache:
             table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
             out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
                                    (*self._context(plan, kv), plan.spans))
-        elif new.dtype in cpu.SEGMENT_DTYPES:  # staging [1, H, slots·G, D], new [1, H, N, D]
+        else:
+            *floats, step = self._cpu_floats(plan, kv, new)
             out = torch.ops.kvmix.decode_batch(
-                rows, scale, self.staged.keys, self.staged.values, plan.inplace_spans,
-                self.method.group, plan.table, plan.held, plan.counts,
-                *batch.arguments(pool, "cpu", cpu.built_arguments), None, new[0:1], new[1:2])
-        else:  # a staging the op does not read (bfloat16): the float buffer, widened
-            out = torch.ops.kvmix.decode_batch(
-                rows, scale, *self._context(plan, kv).float(), plan.spans, self.method.group,
-                plan.table, plan.held, plan.counts,
-                *batch.arguments(pool, "cpu", cpu.built_arguments))
+                rows, scale, *floats, self.method.group, plan.table, plan.held, plan.counts,
+                *batch.arguments(pool, "cpu", cpu.built_arguments), **step)
         if plan.every_token:
             output.copy_(out)
         else:
             output[tokens] = out.to(output.dtype)
+
+    def _cpu_floats(self, plan: StepPlan, kv, new) -> tuple:
+        """What the CPU op reads of the rows' floats: slot keys, slot values, spans and the
+        step's keyword arguments — the staging [1, H, slots·G, D] and the step's new tokens
+        [1, H, N, D] in place (``inplace_spans``), or, for a staging the op does not read
+        (bfloat16), the step's float buffer widened (``spans``)."""
+        if new.dtype in cpu.SEGMENT_DTYPES:
+            return (self.staged.keys, self.staged.values, plan.inplace_spans,
+                    {"step_keys": new[0:1], "step_values": new[1:2]})
+        return (*self._context(plan, kv).float(), plan.spans, {})
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The step's float buffer: each kernel row's group (staged tokens, then new ones) once

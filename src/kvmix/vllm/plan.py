@@ -16,11 +16,12 @@ Per row (a request in the step) with ``c`` tokens computed before and ``n`` new 
 Each new token attends as a decode at its position would: to the groups before its own, packed
 (sealed earlier or in this step), and to its own group's tokens up to it, as floats. With the
 fused kernels (``fused``) every such token is a row of one kernel call, a prefill chunk's
-tokens as much as a decode's: a token's output is then the same computation however it is
-scheduled. A prompt's outputs do not depend on how vLLM chunks it, on how much of it came from
-the prefix cache, or on a preemption's recomputation (which attends again, as a prefill, tokens
-first decoded), even where the kernels round differently from the reference path (the CPU op's
-integer dot products).
+tokens as much as a decode's: a token's output is then the same attention however it is
+scheduled, equal up to float32 reassociation (the op's work splits follow the batch). A prompt's
+outputs do not depend on how vLLM chunks it, on how much of it came from the prefix cache, or on
+a preemption's recomputation (which attends again, as a prefill, tokens first decoded), even
+where the kernels round differently from the reference path (the CPU op's integer dot
+products).
 
 A row's first group also decides its selection (PN-Mix's pairs, ...): the query sums of its
 tokens are kept with the slot until the group is sealed (``query_sums``), and a row's later
@@ -109,7 +110,8 @@ class Staging:
 
 @dataclass
 class StepPlan:
-    """Index tensors every layer of a step reads (int64, on the cache's device).
+    """What every layer of a step reads: index tensors (int64, ``sum_sealed`` bool, on the
+    cache's device: views of one upload) and a few host values.
 
     Staging slot ``s`` holds its open group at staging positions ``s·G .. s·G + G - 1``.
     Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
@@ -127,7 +129,8 @@ class StepPlan:
     reference path). The CPU op reads the same floats where they lie (``inplace_spans`` [Rd,
     4]): the staged tokens of the row's group in the staging (start, count), then its group's
     new tokens up to it in the step's tokens (start, count).
-    ``every_token``: the kernel rows are the step's tokens in order (a decode-only step);
+    ``tokens``: the step's N; ``every_token``: the kernel rows are the step's tokens in order
+    (a decode-only step, or fused chunks only);
     ``all_staged``: every token of the step stays staged; ``selects``: some first group is
     sealed (on the host: none in most steps).
     Other rows (prefill chunks through the reference path): ``chunks``, on the host.
@@ -158,6 +161,7 @@ class StepPlan:
     counts: torch.Tensor
     spans: torch.Tensor  # [Rd, 4] what each kernel row reads of the float buffer
     inplace_spans: torch.Tensor  # [Rd, 4] what it reads of the staging and the step's tokens
+    tokens: int
     every_token: bool
     all_staged: bool
     first_entries: torch.Tensor
@@ -291,35 +295,36 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
     kernel = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
     rows_of = _kernel_rows(np.flatnonzero(kernel[token_row]), token_row, position, before,
                            staged_slots, G)
-    plan = _Uploads(device, uploads)
-    return plan.resolve(StepPlan(
+    upload = _Uploads(device, uploads)
+    return upload.resolve(StepPlan(
         group=G,
-        staged_tokens=plan(np.flatnonzero(~sealing)),
-        staged_positions=plan(final_slots[token_row[~sealing]] * G + offset[~sealing]),
-        seal_tokens=plan(np.flatnonzero(sealing)),
-        seal_entries=plan(token_entry[sealing]),
-        seal_offsets=plan(offset[sealing]),
-        carry_entries=plan(entry_start[carry_row]),
-        carry_positions=plan(staged_slots[carry_row] * G + carry_offset),
-        carry_offsets=plan(carry_offset),
-        seal_pages=plan(seal_pages),
-        seal_first=plan(page(entry_row, np.zeros_like(entry_row))),
-        new_slots=plan(final_slots[opening]),
-        sum_rows=plan(np.where(sealing, token_entry, final_slots[token_row])[first_group]),
-        sum_tokens=plan(np.flatnonzero(first_group)),
-        sum_sealed=plan(sealing[first_group], torch.bool),
-        carry_sums=plan(carry_sums[entry_first]),
-        decode_tokens=plan(rows_of["decode_tokens"]),
-        float_slots=plan(rows_of["float_slots"]),
-        context_slots=plan(rows_of["context_slots"]),
-        spans=plan(rows_of["float_spans"]),
-        inplace_spans=plan(rows_of["inplace_spans"]),
+        staged_tokens=upload(np.flatnonzero(~sealing)),
+        staged_positions=upload(final_slots[token_row[~sealing]] * G + offset[~sealing]),
+        seal_tokens=upload(np.flatnonzero(sealing)),
+        seal_entries=upload(token_entry[sealing]),
+        seal_offsets=upload(offset[sealing]),
+        carry_entries=upload(entry_start[carry_row]),
+        carry_positions=upload(staged_slots[carry_row] * G + carry_offset),
+        carry_offsets=upload(carry_offset),
+        seal_pages=upload(seal_pages),
+        seal_first=upload(page(entry_row, np.zeros_like(entry_row))),
+        new_slots=upload(final_slots[opening]),
+        sum_rows=upload(np.where(sealing, token_entry, final_slots[token_row])[first_group]),
+        sum_tokens=upload(np.flatnonzero(first_group)),
+        sum_sealed=upload(sealing[first_group], torch.bool),
+        carry_sums=upload(carry_sums[entry_first]),
+        decode_tokens=upload(rows_of["decode_tokens"]),
+        float_slots=upload(rows_of["float_slots"]),
+        context_slots=upload(rows_of["context_slots"]),
+        spans=upload(rows_of["float_spans"]),
+        inplace_spans=upload(rows_of["inplace_spans"]),
+        tokens=len(token_row),
         every_token=rows > 0 and bool(kernel.all()),
         all_staged=rows > 0 and not sealing.any(),
-        first_entries=plan(np.flatnonzero(entry_first)),
+        first_entries=upload(np.flatnonzero(entry_first)),
         selects=bool(entry_first.any()),
         decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
-        **_history(plan, page, rows_of["row"], rows_of["group"], G),
+        **_history(upload, page, rows_of["row"], rows_of["group"], G),
         chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
                       page(np.full(done[r], r), np.arange(done[r])).tolist(),
                       int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
@@ -361,14 +366,14 @@ def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray
             "inplace_spans": inplace.reshape(-1, 4)}
 
 
-def _history(plan, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[str, torch.Tensor]:
+def _history(upload, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[str, _Queued]:
     """The kernel rows' block table: pages of groups [0, opened) padded with page 0."""
     width = max(int(opened.max(initial=0)), 1)
     grid = np.broadcast_to(np.arange(width), (len(rows), width))
     valid = grid < opened[:, None]
     table = np.where(valid, page(np.repeat(rows[:, None], width, 1), np.where(valid, grid, 0)),
                      0)
-    return {"table": plan(table), "held": plan(valid * G), "counts": plan(opened)}
+    return {"table": upload(table), "held": upload(valid * G), "counts": upload(opened)}
 
 
 @dataclass

@@ -328,7 +328,7 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 }
 
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
-// float slot) over float slots [S, H, T, D], or one arena [1, H, T, D] all sequences share
+// float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one arena [1, H, T, D] all sequences share
 // (spans [S, 4]: sink start and length, residual start and length, in the sequence's row; with
 // step keys and values [1, H, N, D], the second span lies in them: the vLLM plugin's new tokens),
 // and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
