@@ -293,34 +293,22 @@ def test_an_exact_prefill_selects_from_its_whole_first_chunk():
     assert not same(exact.stored(0, 0)[1], decodes.stored(0, 0)[1])  # 11 tokens, not 8
 
 
-def test_float16_staging_keeps_what_float16_holds():
+@pytest.mark.parametrize("staging, tolerance", [(torch.float16, 0.0), (torch.bfloat16, 1e-5)])
+def test_a_staging_keeps_what_its_dtype_holds(staging, tolerance):
     """Staged tokens are rounded to the staging dtype and nothing else changes: on keys and
-    values float16 holds exactly, float16 staging gives float32 staging's pages and outputs."""
+    values the dtype holds exactly, it gives float32 staging's pages and outputs — exactly for
+    float16, which the CPU op reads in place, and to float32 reassociation for bfloat16, which
+    it reads through the step's float buffer."""
     runs = []
-    for staging in (torch.float16, torch.float32):
-        run = Run(settings_for("kivi2", staging))
-        run.k, run.v = ([x.half().float() for x in xs] for xs in (run.k, run.v))
+    for dtype in (staging, torch.float32):
+        run = Run(settings_for("kivi2", dtype))
+        run.k, run.v = ([x.to(staging).float() for x in xs] for xs in (run.k, run.v))
         runs.append(run.run())
-    half, exact = runs
-    assert half.cache.staged.dtype == torch.float16
-    assert all(torch.equal(a, b) for a, b in zip(half.outputs, exact.outputs, strict=True))
-    assert same(half.cache.pages, exact.cache.pages)
-
-
-def test_bfloat16_staging_reads_the_float_buffer_to_the_same_attention():
-    """A staging the CPU op does not read in place (bfloat16) goes through the step's float
-    buffer: on keys and values bfloat16 holds exactly, it gives float32 staging's pages and, to
-    float32 reassociation, its outputs."""
-    runs = []
-    for staging in (torch.bfloat16, torch.float32):
-        run = Run(settings_for("kivi2", staging))
-        run.k, run.v = ([x.bfloat16().float() for x in xs] for xs in (run.k, run.v))
-        runs.append(run.run())
-    brain, exact = runs
-    assert brain.cache.staged.dtype == torch.bfloat16 and brain.cache.kernels == "cpu"
-    for a, b in zip(brain.outputs, exact.outputs, strict=True):
-        assert_near(a, b, 1e-5)
-    assert same(brain.cache.pages, exact.cache.pages)
+    rounded, exact = runs
+    assert rounded.cache.staged.dtype == staging and rounded.cache.kernels == "cpu"
+    for a, b in zip(rounded.outputs, exact.outputs, strict=True):
+        assert_near(a, b, tolerance)
+    assert same(rounded.cache.pages, exact.cache.pages)
 
 
 @pytest.mark.parametrize("name, staging", [("pnmix1", torch.float16), ("kivi2", torch.float32)])
