@@ -16,8 +16,9 @@
 // are the row's 2-bit plane followed by its 1-bit plane.
 // Query rows (GQA heads × new tokens) are processed RB at a time with their accumulators in
 // registers; row lengths and widths are compile-time constants for the common sizes. Work is
-// split over (KV head, range of blocks) with an online softmax per task and a log-sum-exp
-// merge. Built without -ffast-math: masked scores are -inf and must stay so.
+// split over (sequence, KV head, range of blocks) with an online softmax per task, claimed by
+// the threads one task at a time, and a log-sum-exp merge where a head spans several tasks.
+// Built without -ffast-math: masked scores are -inf and must stay so.
 //
 // This file holds the op's entry points and their validation; its parts, in decode/:
 //   common.h        shared constants;          vector.h     SIMD helpers, portable fallbacks;
@@ -31,12 +32,13 @@
 #include <immintrin.h>
 #endif
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/zeros.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -235,15 +237,16 @@ std::vector<Unit> units_of(const Problem& p) {
   return units;
 }
 
-// One KV head's partials -> its query rows of `out` [Hq, q, D].
+// One KV head's partials -> its query rows of `out` [Hq, q, D] (rows no token reaches: zero).
 void merge(const Problem& p, const Partial* parts, int64_t splits, int64_t h, float* out) {
   for (int64_t r = 0; r < p.rows; ++r) {
     float m = NEG_INF;
     for (int64_t s = 0; s < splits; ++s)
       if (!parts[s].max.empty()) m = std::max(m, parts[s].max[r]);
+    float* dst = out + ((h * p.group_size + r / p.queries) * p.queries + r % p.queries) * p.dim;
+    std::fill(dst, dst + p.dim, 0.f);
     if (m == NEG_INF) continue;
     float total = 0.f;
-    float* dst = out + ((h * p.group_size + r / p.queries) * p.queries + r % p.queries) * p.dim;
     for (int64_t s = 0; s < splits; ++s) {
       const Partial& part = parts[s];
       if (part.max.empty() || part.max[r] == NEG_INF) continue;
@@ -256,8 +259,9 @@ void merge(const Problem& p, const Partial* parts, int64_t splits, int64_t h, fl
 }
 
 // Every sequence's tasks — (sequence, KV head, contiguous range of units), enough ranges to
-// keep every thread busy — in one parallel loop, then a log-sum-exp merge per sequence
-// -> out [S, Hq, q, D].
+// keep every thread busy — claimed one at a time by each thread (rows differ in length), then
+// a log-sum-exp merge per sequence -> out [S, Hq, q, D]. A task that is its head's only range
+// writes its rows itself, on its thread.
 Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& options) {
   const int64_t S = int64_t(problems.size());
   const Problem& first = problems[0];
@@ -268,25 +272,33 @@ Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& opti
     units[s] = units_of(problems[s]);
     most = std::max<int64_t>(most, int64_t(units[s].size()));
   }
-  const int64_t threads = at::get_num_threads();
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(most, (2 * threads + S * H - 1) /
-                                                                          (S * H)));
-  std::vector<Partial> partials(S * H * splits);
-  at::parallel_for(0, S * H * splits, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / (H * splits), h = task / splits % H, split = task % splits;
+  const int64_t threads = at::get_num_threads(), tasks = S * H;
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(most, (2 * threads + tasks - 1) /
+                                                                          tasks));
+  Tensor out = at::empty({S, first.heads, first.queries, D}, options);
+  float* o = out.data_ptr<float>();
+  const int64_t each = first.heads * first.queries * D;  // one sequence's output
+  std::vector<Partial> partials(splits > 1 ? tasks * splits : 0);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, tasks * splits), 1, [&](int64_t, int64_t) {
+    Task task;
+    Partial own;
+    for (int64_t t = next++; t < tasks * splits; t = next++) {
+      const int64_t s = t / (H * splits), h = t / splits % H, split = t % splits;
       const int64_t n = int64_t(units[s].size());
       const int64_t lo = n * split / splits, hi = n * (split + 1) / splits;
-      if (hi > lo) partials[task] = Task(problems[s], h, units[s].data() + lo, hi - lo).run();
+      Partial& state = splits > 1 ? partials[t] : own;
+      state.max.clear();  // a range without units leaves no partial
+      if (hi > lo) {
+        task.start(problems[s], h, units[s].data() + lo, hi - lo);
+        task.run(state);
+      }
+      if (splits == 1) merge(problems[s], &state, 1, h, o + s * each);
     }
   });
-  Tensor out = at::zeros({S, first.heads, first.queries, D}, options);
-  for (int64_t s = 0; s < S; ++s) {
-    const Problem& p = problems[s];
-    float* o = out.data_ptr<float>() + s * p.heads * p.queries * D;
+  for (int64_t s = 0; splits > 1 && s < S; ++s)
     for (int64_t h = 0; h < H; ++h)
-      merge(p, &partials[(s * H + h) * splits], splits, h, o);
-  }
+      merge(problems[s], &partials[(s * H + h) * splits], splits, h, o + s * each);
   return out;
 }
 

@@ -9,8 +9,8 @@ namespace {
 // One bias per row (the value of code 0 against the query), then each plane's channels.
 // The block kernels fill all G tokens; a cropped block's tail lands in work_ and is dropped.
 void Task::channel_scores(int64_t n, float* out) {
-  const Packed& pk = p_.packed;
-  const int64_t P = p_.padded, D = p_.dim, G = pk.group, H = p_.kv_heads, L = total_;
+  const Packed& pk = p_->packed;
+  const int64_t P = p_->padded, D = p_->dim, G = pk.group, H = p_->kv_heads, L = total_;
   const int64_t T = pk.lengths[n];
   const at::Half* scale = pk.key_scale + (page(n) * H + h_) * D;
   const at::Half* minimum = pk.key_min + (page(n) * H + h_) * D;
@@ -47,19 +47,19 @@ void Task::channel_scores(int64_t n, float* out) {
 }
 
 void Task::plane(const Plane& plane, const std::vector<float>& queries, int64_t n, float* block) {
-  const int64_t C = plane.channels, G = p_.packed.group;
+  const int64_t C = plane.channels, G = p_->packed.group;
   if (C == 0) return;
   const int64_t stride = row_bytes(G, plane.bits);
   const uint8_t* rows = plane.codes + page(n) * plane.block_bytes + h_ * C * stride;
   const float* factor = scale_.data();  // each plane channel's scale (multipliers: in queries)
-  if (!in_order_[&plane - p_.packed.planes.data()]) {
+  if (!in_order_[&plane - p_->packed.planes.data()]) {
     const int64_t* index = plane.index + h_ * C;
     factor_.resize(C);
     for (int64_t i = 0; i < C; ++i) factor_[i] = scale_[index[i]];
     factor = factor_.data();
   }
   weights_.resize(RB * C);
-  for (int64_t r0 = 0; r0 < p_.padded; r0 += RB) {
+  for (int64_t r0 = 0; r0 < p_->padded; r0 += RB) {
     const float* q = &queries[r0 * C];
     for (int r = 0; r < RB; ++r)
 #pragma omp simd

@@ -8,31 +8,60 @@ namespace {
 // One block's keys or values of this head, [t, D] floats: where they lie (float32), or widened
 // into this task's buffer (float16).
 const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64_t block) {
-  const int64_t at = (block * p_.kv_heads + h_) * seg.head_stride;
+  const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
   if (!seg.half) return static_cast<const float*>(base) + at;
-  widened_.resize(seg.tokens * p_.dim);
-  halves(static_cast<const at::Half*>(base) + at, seg.tokens * p_.dim, widened_.data());
+  widened_.resize(seg.tokens * p_->dim);
+  halves(static_cast<const at::Half*>(base) + at, seg.tokens * p_->dim, widened_.data());
   return widened_.data();
 }
 
+#ifdef __AVX512F__
+// out[r·L + t] = q_r·k_t for RB query rows of D (a multiple of 32) channels over T keys [T, D]:
+// each key read once for the RB rows; per row the sum dot() forms (even and odd 16 channels).
+template <int D>
+void rows_dot_keys(const float* q, const float* keys, int64_t T, int64_t L, float* out) {
+  for (int64_t t = 0; t < T; ++t) {
+    const float* k = keys + t * D;
+    __m512 even[RB], odd[RB];
+    for (int r = 0; r < RB; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 32) {
+      const __m512 k0 = _mm512_loadu_ps(k + d), k1 = _mm512_loadu_ps(k + d + 16);
+      for (int r = 0; r < RB; ++r) {
+        even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), k0, even[r]);
+        odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), k1, odd[r]);
+      }
+    }
+    for (int r = 0; r < RB; ++r)
+      out[r * L + t] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+  }
+}
+#endif
+
 void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
-  const int64_t D = p_.dim, T = seg.tokens, L = total_;
+  const int64_t D = p_->dim, T = seg.tokens, L = total_;
   const float* keys = segment_rows(seg, seg.keys, block);
-  for (int64_t r = 0; r < p_.rows; ++r) {
-    const int64_t i = r % p_.queries;  // this row's query token
+#ifdef __AVX512F__
+  if (!seg.causal && (D == 64 || D == 128)) {  // every row (padding rows too: zero queries)
+    for (int64_t r0 = 0; r0 < p_->padded; r0 += RB)
+      (D == 64 ? rows_dot_keys<64> : rows_dot_keys<128>)(qrow(r0), keys, T, L, out + r0 * L);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < p_->rows; ++r) {
+    const int64_t i = r % p_->queries;  // this row's query token
     for (int64_t t = 0; t < T; ++t) {
-      const bool hidden = seg.causal && t > i + (T - p_.queries);
+      const bool hidden = seg.causal && t > i + (T - p_->queries);
       out[r * L + t] = hidden ? NEG_INF : dot(qrow(r), keys + t * D, D);
     }
   }
 }
 
 void Task::float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
-  const int64_t D = p_.dim, T = seg.tokens, L = total_;
+  const int64_t D = p_->dim, T = seg.tokens, L = total_;
   const float* values = segment_rows(seg, seg.values, block);
 #ifdef __AVX512F__
   if (D % 32 == 0) {  // RB rows × 32 channels in registers over every token
-    for (int64_t r0 = 0; r0 < p_.padded; r0 += RB)
+    for (int64_t r0 = 0; r0 < p_->padded; r0 += RB)
       for (int64_t d = 0; d < D; d += 32) {
         __m512 sum[RB][2];
         float* a = acc + r0 * D + d;
@@ -53,7 +82,7 @@ void Task::float_values(const FloatSegment& seg, int64_t block, const float* wei
     return;
   }
 #endif
-  for (int64_t r = 0; r < p_.rows; ++r) {
+  for (int64_t r = 0; r < p_->rows; ++r) {
     float* a = acc + r * D;
     for (int64_t t = 0; t < T; ++t) {
       const float w = weights[r * L + t];

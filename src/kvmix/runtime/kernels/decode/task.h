@@ -9,8 +9,12 @@ namespace {
 
 class Task {
  public:
-  Task(const Problem& p, int64_t head, const Unit* units, int64_t count)
-      : p_(p), h_(head), units_(units, units + count) {
+  // One task after another on the same thread: the buffers keep their capacity.
+  void start(const Problem& p, int64_t head, const Unit* units, int64_t count) {
+    p_ = &p;
+    h_ = head;
+    units_ = units;
+    count_ = count;
     const int64_t P = p.padded, D = p.dim, G = std::max<int64_t>(p.packed.group, 1);
     q_.assign(P * D, 0.f);  // rows beyond p.rows stay zero
     for (int64_t g = 0; g < p.group_size; ++g)
@@ -19,39 +23,47 @@ class Task {
         float* dst = &q_[(g * p.queries + i) * D];
         for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * p.scale;
       }
-    for (const Plane& plane : p.packed.planes) {  // each plane's channels of every query row
-      const int64_t C = plane.channels;            // times their multipliers
-      const int64_t* index = plane.index + h_ * C;
-      const float* mult = plane.mult + h_ * C;
-      std::vector<float> gathered(P * C);
+    const std::vector<Plane>& planes = p.packed.planes;
+    plane_queries_.resize(planes.size());
+    in_order_.assign(planes.size(), false);
+    for (size_t k = 0; k < planes.size(); ++k) {  // each plane's channels of every query row
+      const int64_t C = planes[k].channels;         // times their multipliers
+      const int64_t* index = planes[k].index + h_ * C;
+      const float* mult = planes[k].mult + h_ * C;
+      std::vector<float>& gathered = plane_queries_[k];
+      gathered.resize(P * C);
       bool in_order = true;
       for (int64_t i = 0; i < C; ++i) in_order = in_order && index[i] == i;
       for (int64_t r = 0; r < P; ++r)
         for (int64_t i = 0; i < C; ++i) gathered[r * C + i] = q_[r * D + index[i]] * mult[i];
-      plane_queries_.push_back(std::move(gathered));
-      in_order_.push_back(in_order);
+      in_order_[k] = in_order;
     }
-    const std::vector<Plane>& planes = p.packed.planes;
     fused_keys_ = !planes.empty() && planes[0].ints && in_order_[0] && planes[0].channels == D &&
                   D % 16 == 0;
-    for (const Unit& u : units_) {
+    offsets_.clear();
+    total_ = 0;
+    for (int64_t u = 0; u < count_; ++u) {
       offsets_.push_back(total_);
-      total_ += tokens(u);
+      total_ += tokens(units_[u]);
     }
     work_.resize(P * std::max(G, D));
     floats_.resize(std::max(G, D));
+    value_bias_.clear();  // sums from zero (packed_values)
   }
 
-  // Scores of every unit, one softmax over them all, then the weighted values.
-  Partial run() {
-    const int64_t R = p_.rows, P = p_.padded, D = p_.dim, L = total_;
+  // Scores of every unit, one softmax over them all, then the weighted values -> state.
+  void run(Partial& state) {
+    const Problem& p = *p_;
+    const int64_t R = p.rows, P = p.padded, D = p.dim, L = total_;
+    const size_t n = size_t(count_);
     scores_.resize(P * std::max<int64_t>(L, 1));  // every unit writes its own scores
-    for (size_t u = 0; u < units_.size(); ++u) {
-      if (u + AHEAD < units_.size()) prefetch(units_[u + AHEAD], true);
+    for (size_t u = 0; u < n; ++u) {
+      if (u + AHEAD < n) prefetch(units_[u + AHEAD], true);
       scores(units_[u], &scores_[offsets_[u]]);
     }
-    Partial state{std::vector<float>(R, NEG_INF), std::vector<float>(R, 0.f),
-                  std::vector<float>(P * D, 0.f)};  // padding rows: written, never read
+    state.max.assign(R, NEG_INF);
+    state.sum.assign(R, 0.f);
+    state.acc.assign(P * D, 0.f);  // padding rows: written, never read
     for (int64_t r = 0; r < R; ++r) {
       float* s = &scores_[r * L];
       float m = NEG_INF;
@@ -65,30 +77,29 @@ class Task {
       state.sum[r] = exp_sum(s, L, m);
     }
     std::fill(scores_.begin() + R * L, scores_.end(), 0.f);  // padding rows weigh nothing
-    for (size_t u = 0; u < units_.size(); ++u) {
-      if (u + AHEAD < units_.size()) prefetch(units_[u + AHEAD], false);
+    for (size_t u = 0; u < n; ++u) {
+      if (u + AHEAD < n) prefetch(units_[u + AHEAD], false);
       values(units_[u], &scores_[offsets_[u]], state.acc.data());
     }
     add_value_bias(state.acc.data());
-    return state;
   }
 
  private:
   int64_t tokens(const Unit& u) const {
-    return u.segment >= 0 ? p_.segments[u.segment].tokens : p_.packed.lengths[u.block];
+    return u.segment >= 0 ? p_->segments[u.segment].tokens : p_->packed.lengths[u.block];
   }
 
-  const float* qrow(int64_t r) const { return &q_[r * p_.dim]; }
+  const float* qrow(int64_t r) const { return &q_[r * p_->dim]; }
 
-  int64_t page(int64_t n) const { return p_.packed.pages ? p_.packed.pages[n] : n; }
+  int64_t page(int64_t n) const { return p_->packed.pages ? p_->packed.pages[n] : n; }
 
   // The next packed block's key (or value) codes and statistics of this head into the cache
   // while this one is computed: the pages of a pool are scattered, so the hardware prefetcher
   // cannot see them coming.
   void prefetch(const Unit& u, bool keys) const {
     if (u.segment >= 0) return;
-    const Packed& pk = p_.packed;
-    const int64_t n = page(u.block), H = p_.kv_heads, D = p_.dim, G = pk.group;
+    const Packed& pk = p_->packed;
+    const int64_t n = page(u.block), H = p_->kv_heads, D = p_->dim, G = pk.group;
     if (keys && pk.key_mode == 1) {
       ahead(pk.key_scale + (n * H + h_) * D, D * 2);
       ahead(pk.key_min + (n * H + h_) * D, D * 2);
@@ -113,19 +124,19 @@ class Task {
 
   void scores(const Unit& u, float* out) {
     if (u.segment >= 0)
-      float_scores(p_.segments[u.segment], u.block, out);
-    else if (p_.packed.key_mode == 1)
+      float_scores(p_->segments[u.segment], u.block, out);
+    else if (p_->packed.key_mode == 1)
       channel_scores(u.block, out);
     else
       token_scores(u.block, out);
     if (u.segment < 0 && u.block == 0)
-      for (int64_t r = 0; r < p_.rows; ++r)
-        std::fill(out + r * total_, out + r * total_ + p_.packed.skip, NEG_INF);
+      for (int64_t r = 0; r < p_->rows; ++r)
+        std::fill(out + r * total_, out + r * total_ + p_->packed.skip, NEG_INF);
   }
 
   void values(const Unit& u, const float* weights, float* acc) {
     if (u.segment >= 0)
-      float_values(p_.segments[u.segment], u.block, weights, acc);
+      float_values(p_->segments[u.segment], u.block, weights, acc);
     else
       packed_values(u.block, weights, acc);
   }
@@ -157,9 +168,10 @@ class Task {
     round_weights(w, ld, K, padded_, hi_.data(), lo_.data(), alpha_, top);
   }
 
-  const Problem& p_;
-  int64_t h_;
-  std::vector<Unit> units_;
+  const Problem* p_ = nullptr;
+  int64_t h_ = 0;
+  const Unit* units_ = nullptr;
+  int64_t count_ = 0;
   std::vector<int64_t> offsets_;
   int64_t total_ = 0;
   std::vector<float> q_, scores_, work_, weights_, scale_, base_, floats_, factor_, stats_;

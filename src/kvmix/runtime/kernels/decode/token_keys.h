@@ -8,9 +8,9 @@ namespace {
 
 // Keys: s·(q·code) + m·Σq per group of `group` channels.
 void Task::token_scores(int64_t n, float* out) {
-  const Packed& pk = p_.packed;
+  const Packed& pk = p_->packed;
   const Stats& st = pk.keys;
-  const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
+  const int64_t P = p_->padded, D = p_->dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
   const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
   const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
   token_stats(st, n, T, J);
@@ -44,9 +44,9 @@ void Task::token_scores(int64_t n, float* out) {
 
 // acc[r] += Σ_t p[r][t]·(s[t,j]·code + m[t,j]) over the block's tokens, group by group.
 void Task::packed_values(int64_t n, const float* p, float* acc) {
-  const Packed& pk = p_.packed;
+  const Packed& pk = p_->packed;
   const Stats& st = pk.values;
-  const int64_t P = p_.padded, D = p_.dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
+  const int64_t P = p_->padded, D = p_->dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
   const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
   const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
   token_stats(st, n, T, J);
@@ -81,7 +81,7 @@ void Task::packed_values(int64_t n, const float* p, float* acc) {
       else
         group_values_any(rows, stride, J, j, T, weights_.data(), out, st.bits, gs,
                          floats_.data());
-      for (int r = 0; r < RB && r0 + r < p_.rows; ++r) {
+      for (int r = 0; r < RB && r0 + r < p_->rows; ++r) {
         float* a = acc + (r0 + r) * D + j * gs;
         const float* o = out + r * gs;
 #pragma omp simd
@@ -93,8 +93,8 @@ void Task::packed_values(int64_t n, const float* p, float* acc) {
 // acc[r][c] += Σ p·min of group j(c), gathered lane-wise over every packed block.
 void Task::add_value_bias(float* acc) {
   if (value_bias_.empty()) return;
-  const int64_t D = p_.dim, gs = p_.packed.values.group, J = D / gs;
-  for (int64_t r = 0; r < p_.rows; ++r)
+  const int64_t D = p_->dim, gs = p_->packed.values.group, J = D / gs;
+  for (int64_t r = 0; r < p_->rows; ++r)
     for (int64_t j = 0; j < J; ++j) {
       const float* lanes = &value_bias_[(r * J + j) * 16];
       float b = 0.f;
@@ -106,7 +106,7 @@ void Task::add_value_bias(float* acc) {
 // Per-token statistics of one block as floats, group-major [J, T]: scale, and min (or the
 // symmetric levels' offset).
 void Task::token_stats(const Stats& st, int64_t n, int64_t T, int64_t J) {
-  const int64_t stat0 = (page(n) * p_.kv_heads + h_) * p_.packed.group * J;
+  const int64_t stat0 = (page(n) * p_->kv_heads + h_) * p_->packed.group * J;
   const float symmetric = -(float(1 << (st.bits - 1)) - 0.5f);
   stats_.resize(2 * T * J);
   halves(st.scale + stat0, T * J, stats_.data());
