@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FAST, HQ, D, compare_rows, make, method_string
+from torch.overrides import TorchFunctionMode
 
 import kvmix
 from kvmix.methods import method_classes
@@ -268,6 +269,39 @@ def test_the_batched_op_refuses_a_table_outside_the_pool(built):
             torch.ops.kvmix.decode_batch(*head, table.pages, table.held, table.counts, *pool,
                                          skip=skip)
 
+
+
+def test_the_op_is_dispatched_without_torch_function_handling(built):
+    """``cpu.call`` runs the op with ``__torch_function__`` handling off (its probe of each
+    TorchScript argument raises and catches a C++ exception): a mode that sees every call
+    torch hands to Python sees the plain call, not ``cpu.call``'s, and both give one result."""
+    from helpers import feed
+
+    from kvmix.runtime.kernels import batch
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[str] = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.calls.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    cache = make("kivi2", backend="cpu")
+    feed(cache, 40, batch=2)
+    store = cache.layers[0].store
+    table, query = store.steps.table(store), torch.randn(2, HQ, D)
+    slots = [store.keys.float().contiguous(), store.values.float().contiguous()]
+    args = [query, D**-0.5, *slots, torch.tensor(store.float_spans()), cache.method.group,
+            table.pages, table.held, table.counts, *cpu._pool_arguments(batch.pool_view(store))]
+    with Seen() as plain:
+        expected = torch.ops.kvmix.decode_batch(*args)
+    with Seen() as called:
+        out = cpu.call("decode_batch", *args)
+    assert any("decode_batch" in name for name in plain.calls)
+    assert not any("decode_batch" in name for name in called.calls)
+    assert torch.equal(out, expected)
 
 PORTABLE = """
 import sys

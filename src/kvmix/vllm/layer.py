@@ -162,9 +162,9 @@ class LayerCache:
                                    (*self._context(plan, kv), plan.spans))
         else:
             *floats, step = self._cpu_floats(plan, kv, new)
-            out = torch.ops.kvmix.decode_batch(
-                rows, scale, *floats, self.method.group, plan.table, plan.held, plan.counts,
-                *batch.arguments(pool, "cpu", cpu.built_arguments), **step)
+            out = cpu.call("decode_batch", rows, scale, *floats, self.method.group, plan.table,
+                           plan.held, plan.counts,
+                           *batch.arguments(pool, "cpu", cpu.built_arguments), **step)
         if plan.every_token:
             output.copy_(out)
         else:

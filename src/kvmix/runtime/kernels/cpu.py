@@ -68,6 +68,14 @@ def unserved(method, head_dim: int) -> str:
     return ""
 
 
+def call(op: str, *args, **kwargs) -> torch.Tensor:
+    """``torch.ops.kvmix.<op>`` without torch's ``__torch_function__`` probe of its arguments:
+    the op takes plain tensors, and the probe of each TorchScript object (its missing attribute
+    raised and caught as a C++ exception) costs tens of µs a call, more than a small decode."""
+    with torch._C.DisableTorchFunction():
+        return getattr(torch.ops.kvmix, op)(*args, **kwargs)
+
+
 def available() -> tuple[bool, str]:
     """(True, "") when the op runs here, else (False, the cause)."""
     try:
@@ -89,9 +97,8 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     segments = [(k, v) for k, v in floats if k.shape[-2]] + [(keys, values)]
     float_keys = [_segment(k) for k, _ in segments]
     float_values = [_segment(v) for _, v in segments]
-    out = torch.ops.kvmix.decode(_float32(query[0]), scaling, float_keys, float_values, 1,
-                                 row.method.group, row.lengths if view else [],
-                                 *op_layouts(packed_layouts(view)))
+    out = call("decode", _float32(query[0]), scaling, float_keys, float_values, 1,
+               row.method.group, row.lengths if view else [], *op_layouts(packed_layouts(view)))
     return out.unsqueeze(0).to(dtype)
 
 
@@ -145,11 +152,10 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds and sees -> [B, Hq, 1, D]."""
     table, step = store.steps.table(store), store.step
-    out = torch.ops.kvmix.decode_batch(_float32(query[:, :, 0]), scaling, store.keys,
-                                       store.values, step.spans, store.method.group,
-                                       table.pages, table.held, table.counts,
-                                       *_pool_arguments(batch.pool_view(store)),
-                                       skip=step.skips if store.window is not None else None)
+    out = call("decode_batch", _float32(query[:, :, 0]), scaling, store.keys, store.values,
+               step.spans, store.method.group, table.pages, table.held, table.counts,
+               *_pool_arguments(batch.pool_view(store)),
+               skip=step.skips if store.window is not None else None)
     return out.unsqueeze(2).to(query.dtype)
 
 
