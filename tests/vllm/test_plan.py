@@ -321,6 +321,15 @@ def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
     assert sum(cache.staging_bytes() for cache in layers) == staging_nbytes(settings, 5)
 
 
+@pytest.mark.parametrize("name, transforms", [
+    ("kivi2", []), ("kxvy:rotate=keys", ["transform_queries", "transform_keys"]),
+    ("wush", ["transform_queries", "transform_keys"])])
+def test_a_step_runs_only_the_transforms_that_change_queries_or_keys(name, transforms):
+    cache = LayerCache(settings_for(name), LAYER, torch.float32, SEQUENCES, BLOCK,
+                       torch.device("cpu"))
+    assert cache.transforms == transforms
+
+
 def test_a_reclaimed_open_group_is_never_read():
     staging = Staging(2)
     table = np.arange(3).reshape(3, 1)

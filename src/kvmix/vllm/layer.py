@@ -79,8 +79,9 @@ class LayerCache:
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
         self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
-        self.transforms = [name for name in ("transform_queries", "transform_keys")
-                           if getattr(type(method), name) is not getattr(Method, name)]
+        self.transforms = [name for name, heads in (("transform_queries", spec.n_heads),
+                                                    ("transform_keys", spec.n_kv_heads))
+                           if _changes(getattr(method, name), layer, heads, spec.head_dim)]
         self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
@@ -347,6 +348,13 @@ class LayerCache:
         if not plan.all_staged:
             new = new[:, :, plan.staged_tokens]  # [2, H, n, D]
         self.staged.put(plan.staged_positions, *new.transpose(1, 2))
+
+
+def _changes(transform, layer: int, heads: int, head_dim: int) -> bool:
+    """Whether a method's transform of queries or keys [1, heads, n, D] changes them (its
+    identity, a method's default or a setting that turns it off, returns its input)."""
+    probe = torch.zeros(1, heads, 1, head_dim)
+    return transform(probe, layer) is not probe
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
