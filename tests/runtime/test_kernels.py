@@ -270,7 +270,6 @@ def test_the_batched_op_refuses_a_table_outside_the_pool(built):
                                          skip=skip)
 
 
-
 def test_the_op_is_dispatched_without_torch_function_handling(built):
     """``cpu.call`` runs the op with ``__torch_function__`` handling off (its probe of each
     TorchScript argument raises and catches a C++ exception): a mode that sees every call
@@ -302,6 +301,7 @@ def test_the_op_is_dispatched_without_torch_function_handling(built):
     assert any("decode_batch" in name for name in plain.calls)
     assert not any("decode_batch" in name for name in called.calls)
     assert torch.equal(out, expected)
+
 
 PORTABLE = """
 import sys
