@@ -30,7 +30,6 @@ groups copy the selection from its first page.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -378,9 +377,9 @@ def _history(upload, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict
 
 @dataclass
 class _Queued:
-    """Where an index array of the plan lies in its upload, until it is made."""
+    """Which of the upload's arrays an index array of the plan is, until it is made."""
 
-    start: int
+    index: int
     shape: tuple[int, ...]
     dtype: torch.dtype
 
@@ -393,22 +392,23 @@ class _Uploads:
     def __init__(self, device: torch.device, staged: steps.Staged | None):
         self.device, self.staged = device, staged or steps.Staged()
         self.arrays: list[np.ndarray] = []
-        self.size = 0
 
     def __call__(self, values: np.ndarray, dtype: torch.dtype = torch.long) -> _Queued:
         array = np.ascontiguousarray(values, dtype=np.int64)
         self.arrays.append(array.ravel())
-        self.size += array.size
-        return _Queued(self.size - array.size, array.shape, dtype)
+        return _Queued(len(self.arrays) - 1, array.shape, dtype)
 
     def resolve(self, plan: StepPlan) -> StepPlan:
-        """``plan`` with every queued array a view of the uploaded buffer."""
+        """``plan`` with every queued array a view of the uploaded buffer (cut in one split:
+        a step's plan is made at every batch size, a one-row step's included)."""
         flat = self.staged.fill(np.concatenate(self.arrays), self.device)
+        parts = flat.split([array.size for array in self.arrays])
         for name in (f.name for f in fields(plan)):
             queued = getattr(plan, name)
             if isinstance(queued, _Queued):
-                size = math.prod(queued.shape)
-                tensor = flat[queued.start : queued.start + size].view(queued.shape)
+                tensor = parts[queued.index]
+                if len(queued.shape) != 1:
+                    tensor = tensor.view(queued.shape)
                 setattr(plan, name, tensor if queued.dtype == torch.long else
                         tensor.to(queued.dtype))
         return plan
