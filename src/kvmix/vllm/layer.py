@@ -81,7 +81,9 @@ class LayerCache:
         self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
         self.transforms = [name for name, heads in (("transform_queries", spec.n_heads),
                                                     ("transform_keys", spec.n_kv_heads))
-                           if _changes(getattr(method, name), layer, heads, spec.head_dim)]
+                           if _changes(getattr(method, name), layer,
+                                       torch.zeros(1, heads, 1, spec.head_dim, dtype=dtype,
+                                                   device=device))]
         self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
@@ -350,10 +352,10 @@ class LayerCache:
         self.staged.put(plan.staged_positions, *new.transpose(1, 2))
 
 
-def _changes(transform, layer: int, heads: int, head_dim: int) -> bool:
-    """Whether a method's transform of queries or keys [1, heads, n, D] changes them (its
-    identity, a method's default or a setting that turns it off, returns its input)."""
-    probe = torch.zeros(1, heads, 1, head_dim)
+def _changes(transform, layer: int, probe: torch.Tensor) -> bool:
+    """Whether a method's transform of queries or keys (``probe`` [1, h, 1, D], on the layer's
+    device) changes them: its identity, a method's default or a setting that turns it off,
+    returns its input."""
     return transform(probe, layer) is not probe
 
 
