@@ -399,16 +399,13 @@ class _Uploads:
         return _Queued(len(self.arrays) - 1, array.shape, dtype)
 
     def resolve(self, plan: StepPlan) -> StepPlan:
-        """``plan`` with every queued array a view of the uploaded buffer (cut in one split:
-        a step's plan is made at every batch size, a one-row step's included)."""
+        """``plan`` with every queued array a view of the uploaded buffer (cut by one split)."""
         flat = self.staged.fill(np.concatenate(self.arrays), self.device)
         parts = flat.split([array.size for array in self.arrays])
         for name in (f.name for f in fields(plan)):
             queued = getattr(plan, name)
             if isinstance(queued, _Queued):
-                tensor = parts[queued.index]
-                if len(queued.shape) != 1:
-                    tensor = tensor.view(queued.shape)
+                tensor = parts[queued.index].view(queued.shape)
                 setattr(plan, name, tensor if queued.dtype == torch.long else
                         tensor.to(queued.dtype))
         return plan

@@ -70,8 +70,9 @@ def unserved(method, head_dim: int) -> str:
 
 def call(op: str, *args, **kwargs) -> torch.Tensor:
     """``torch.ops.kvmix.<op>`` without torch's ``__torch_function__`` probe of its arguments:
-    the op takes plain tensors, and the probe of each TorchScript object (its missing attribute
-    raised and caught as a C++ exception) costs tens of µs a call, more than a small decode."""
+    none of the op's arguments overrides torch, and the probe of each TorchScript object (its
+    missing attribute raised and caught as a C++ exception) costs tens of µs a call, more than
+    a small decode."""
     with torch._C.DisableTorchFunction():
         return getattr(torch.ops.kvmix, op)(*args, **kwargs)
 
