@@ -1,7 +1,8 @@
-"""The Triton encoder (``kvmix.core.fused``) bit for bit against the torch encoder, in Triton's
-interpreter where there is no GPU: every width, min-max and bin-center, float32, float16 and
-bfloat16, groups along either axis, and the hard cases of the float16 statistics (constant
-groups, values near zero that round to -0 or a subnormal, large magnitudes)."""
+"""The fused encoders (``kvmix.core.fused``: Triton, in its interpreter where there is no GPU,
+and the CPU op's ``quantize``) bit for bit against the torch encoder: every width, min-max and
+bin-center, float32, float16 and bfloat16, groups along either axis (the CPU op also through
+strided views), and the hard cases of the float16 statistics (constant groups, values near
+zero that round to -0 or a subnormal, large magnitudes)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ import pytest
 import torch
 
 from kvmix.core import fused
+from kvmix.core.packing import pack
 from kvmix.core.quantizers import fused_encoding, quantize, quantize_codes
+from kvmix.runtime.kernels import cpu
 
-pytestmark = pytest.mark.skipif(fused.triton is None, reason="Triton is not installed")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
+BACKENDS = [pytest.param("triton", marks=pytest.mark.skipif(fused.triton is None,
+                                                            reason="Triton is not installed")),
+            pytest.param("cpu", marks=pytest.mark.skipif(not cpu.available()[0],
+                                                         reason="the CPU op is unavailable"))]
 
 
-def hard_groups(dtype: torch.dtype) -> torch.Tensor:
+def hard_groups(dtype: torch.dtype, device: str = DEVICE) -> torch.Tensor:
     """[2, 3, 16, 32]: random groups of several scales plus the statistics' edge cases."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 16, 32, generator=g) * torch.tensor([1e-3, 3.0, 900.0])[:, None, None]
@@ -23,37 +29,80 @@ def hard_groups(dtype: torch.dtype) -> torch.Tensor:
     x[0, 1, 0, :] = -2.0  # a constant group along the channels
     x[1, 0, :, :4] = torch.linspace(-3e-8, 2e-8, 16)[:, None]  # near zero: -0, subnormals
     x[1, 1, 3, :] = torch.linspace(-6e4, 6e4, 32)  # near the float16 limits
-    return x.to(dtype).to(DEVICE)
+    return x.to(dtype).to(device)
 
 
+def on(backend: str) -> str:
+    return "cpu" if backend == "cpu" else DEVICE
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
-def test_codes_and_statistics_are_the_torch_encoders(bits, dtype):
-    x = hard_groups(dtype)
+def test_codes_and_statistics_are_the_torch_encoders(bits, dtype, backend):
+    x = hard_groups(dtype, on(backend))
     for dim in (-1, -2):
         for center in (False, True):
             expected = quantize_codes(x, bits, dim, center=center)
-            got = fused.quantize_codes(x, bits, dim, center, packed=False)
+            got = fused.quantize_codes(x, bits, dim, center, packed=False, backend=backend)
             for e, g in zip(expected, got, strict=True):
                 assert g.shape == e.shape and g.dtype == e.dtype
                 assert torch.equal(g, e), (dim, center)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
-def test_packed_blocks_are_the_torch_encoders(bits):
-    x = hard_groups(torch.float16).transpose(-1, -2)  # keys: rows are a channel's tokens
+def test_packed_blocks_are_the_torch_encoders(bits, backend):
+    x = hard_groups(torch.float16, on(backend)).transpose(-1, -2)  # keys: a channel's tokens
     expected = quantize(x, bits, dim=-1)
-    with fused_encoding():
+    with fused_encoding(backend):
         got = quantize(x, bits, dim=-1)
     assert got.codes.shape == expected.codes.shape
     assert torch.equal(got.codes, expected.codes)
     assert torch.equal(got.scale, expected.scale) and torch.equal(got.minimum, expected.minimum)
 
 
-def test_shapes_the_kernel_does_not_tile_stay_on_torch():
-    x = torch.randn(1, 2, 12, 32, device=DEVICE)
-    assert not fused.fits(x, -2, 2)  # 12 tokens: not a power of two
-    assert not fused.fits(x, -1, 5) and fused.fits(x, -1, 2)
-    with fused_encoding():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shapes_the_kernel_does_not_tile_stay_on_torch(backend):
+    x = torch.randn(1, 2, 12, 32, device=on(backend))
+    assert not fused.fits(x, -2, 2, backend)  # 12 tokens: not a power of two
+    assert not fused.fits(x, -1, 5, backend) and fused.fits(x, -1, 2, backend)
+    assert fused.fits(torch.randn(2, 512), -1, 2, backend) == (backend == "triton")  # CPU: <= 256
+    with fused_encoding(backend):
         got = quantize(x.transpose(-1, -2), 2, dim=-1)
     assert torch.equal(got.codes, quantize(x.transpose(-1, -2), 2, dim=-1).codes)
+
+
+@pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_the_cpu_encoder_reads_strided_views_and_every_group_size(bits, dtype):
+    """Views the methods hand it (transposed keys, channel groups cut from a token, a
+    non-contiguous slice), groups of 8 to 128 elements (the op holds up to 256), groups side by side and apart."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2, 3, 32, 128, generator=g) * 5 + 1).to(dtype)
+    views = [x.transpose(-1, -2), x.unflatten(-1, (-1, 8)), x[:, :, ::2], x[..., 8:72],
+             x.transpose(1, 2)]
+    for view in views:
+        for dim in range(view.dim()):
+            if not fused.fits(view, dim, bits, "cpu"):
+                continue
+            for center in (False, True):
+                expected = quantize_codes(view, bits, dim, center=center)
+                got = fused.quantize_codes(view, bits, dim, center, packed=False, backend="cpu")
+                assert all(torch.equal(e, o) for e, o in zip(expected, got, strict=True))
+        packed = fused.quantize_codes(view, bits, -1, False, packed=True, backend="cpu")[0]
+        assert torch.equal(packed, pack(quantize_codes(view, bits, -1)[0], bits))
+
+
+@pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is unavailable")
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
+def test_the_cpu_encoder_packs_as_torch_packs(bits):
+    g = torch.Generator().manual_seed(2)
+    for shape in [(3, 4, 8), (2, 5, 64), (1, 256), (2, 3, 12)]:  # 12: a row the op leaves
+        codes = torch.randint(0, 2**bits, shape, generator=g, dtype=torch.uint8)
+        with fused_encoding("cpu"):
+            got = pack(codes, bits)
+        assert torch.equal(got, pack(codes, bits))
+    assert fused.packs(torch.zeros(2, 64, dtype=torch.uint8))
+    assert not fused.packs(torch.zeros(2, 12, dtype=torch.uint8))

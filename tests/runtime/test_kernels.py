@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import FAST, HQ, D, compare_rows, make, method_string
+from helpers import FAST, HQ, D, H, compare_rows, make, method_string
 from torch.overrides import TorchFunctionMode
 
 import kvmix
@@ -274,7 +274,7 @@ def test_the_op_is_dispatched_without_torch_function_handling(built):
     """``cpu.call`` runs the op with ``__torch_function__`` handling off (its probe of each
     TorchScript argument raises and catches a C++ exception): a mode that sees every call
     torch hands to Python sees the plain call, not ``cpu.call``'s, and both give one result."""
-    from helpers import feed
+    from helpers import feed, step
 
     from kvmix.runtime.kernels import batch
 
@@ -301,6 +301,16 @@ def test_the_op_is_dispatched_without_torch_function_handling(built):
     assert any("decode_batch" in name for name in plain.calls)
     assert not any("decode_batch" in name for name in called.calls)
     assert torch.equal(out, expected)
+    # kvmix's own calls go through cpu.call: a batched decode step, one sealing pages (its
+    # encoder), and a row's attention
+    with Seen() as runtime:
+        for i in range(8):
+            step(cache, 2, i)
+        row = store.row(0)
+        view = cache.method.kernel_view(row.blocks, 0, row.selection)
+        keys, values = torch.randn(2, 1, H, 1, D).unbind(0)
+        cpu.attend(row, view, query[:1, :, None], keys, values, D**-0.5)
+    assert runtime.calls and not any("kvmix" in name for name in runtime.calls)
 
 
 PORTABLE = """

@@ -323,7 +323,10 @@ def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
 
 @pytest.mark.parametrize("name, transforms", [
     ("kivi2", []), ("kxvy:rotate=keys", ["transform_queries", "transform_keys"]),
-    ("wush", ["transform_queries", "transform_keys"])])
+    ("wush", ["transform_queries", "transform_keys"]),
+    ("ggml-k8v4", ["transform_queries", "transform_keys"]),
+    # keys in the model's order and frame; queries still rounded to q8_0 as llama.cpp's
+    ("ggml-k8v4:rotate=none,key_order=model", ["transform_queries"])])
 def test_a_step_runs_only_the_transforms_that_change_queries_or_keys(name, transforms):
     cache = LayerCache(settings_for(name), LAYER, torch.float32, SEQUENCES, BLOCK,
                        torch.device("cpu"))

@@ -1,6 +1,7 @@
-"""Triton quantize/pack of groups, bit for bit ``quantizers.quantize_codes`` and
-``packing.pack``: one program quantizes a tile of groups (min-max or bin-center, float16
-statistics rounded outward) and writes their codes packed in row-split order, or unpacked.
+"""Fused quantize/pack of groups, bit for bit ``quantizers.quantize_codes`` and
+``packing.pack``, per backend: ``triton`` (here: one program quantizes a tile of groups, min-max
+or bin-center, float16 statistics rounded outward, and writes their codes packed in row-split
+order, or unpacked) and ``cpu`` (the CPU op's ``kvmix::quantize``, the same arithmetic in C++).
 
 Every step repeats the torch encoder's arithmetic in the input's dtype: each operation is done
 in float32 and rounded to that dtype, as torch's elementwise kernels do; divisions are IEEE
@@ -24,20 +25,29 @@ except ImportError:  # the `triton` extra is optional
 BLOCK_GROUPS = 16  # groups per program
 
 
-def fits(x: torch.Tensor, dim: int, bits: int) -> bool:
-    """Whether the kernel serves quantizing ``x`` along ``dim`` at ``bits``."""
+CPU_MAX_GROUP = 256  # elements of a group the CPU op's encoder holds
+
+
+def fits(x: torch.Tensor, dim: int, bits: int, backend: str = "triton") -> bool:
+    """Whether ``backend``'s encoder serves quantizing ``x`` along ``dim`` at ``bits``."""
     size = x.shape[dim]
-    return (triton is not None and bits in (1, 2, 3, 4, 8) and size >= 8
-            and size & (size - 1) == 0 and x.dtype in (torch.float32, torch.float16,
-                                                       torch.bfloat16))
+    shape = (bits in (1, 2, 3, 4, 8) and size >= 8 and size & (size - 1) == 0
+             and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    if backend == "cpu":
+        return shape and size <= CPU_MAX_GROUP and x.device.type == "cpu" and _cpu_op()
+    return shape and backend == "triton" and triton is not None
 
 
-def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: bool
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: bool,
+                   backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x: [..., N, ...] reduced along ``dim`` -> (codes, scale, minimum): codes uint8 shaped
     like x, or packed [B, bytes] (groups in order, each a row) when ``packed``; statistics
     float16 shaped like x with ``dim`` kept as 1."""
     dim = dim % x.dim()
+    if backend == "cpu":  # reads x through its strides
+        from kvmix.runtime.kernels import cpu  # the op library lives with the runtime's kernels
+
+        return cpu.call("quantize", x, bits, dim, center, packed)
     x = x.contiguous()
     size, inner = x.shape[dim], x.stride(dim)  # a group: N elements `inner` apart
     groups = x.numel() // size
@@ -52,6 +62,27 @@ def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: b
     _quantize[grid](x, codes, scale, minimum, groups, inner, width, N=size, BITS=bits,
                     CENTER=center, PACKED=packed, BLOCK_M=BLOCK_GROUPS)
     return codes, scale, minimum
+
+
+def packs(rows: torch.Tensor) -> bool:
+    """Whether the CPU op packs ``rows`` [M, n] (on the CPU, n a multiple of 8 up to
+    CPU_MAX_GROUP)."""
+    n = rows.shape[-1]
+    return rows.device.type == "cpu" and n % 8 == 0 and n <= CPU_MAX_GROUP and _cpu_op()
+
+
+def pack_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
+    """rows [M, n] uint8 codes (``packs``) -> [M, bytes], as ``packing.pack`` packs them."""
+    from kvmix.runtime.kernels import cpu
+
+    return cpu.call("pack", rows.contiguous(), bits)
+
+
+def _cpu_op() -> bool:
+    """Whether the CPU op (and its encoder) builds and loads here."""
+    from kvmix.runtime.kernels import cpu
+
+    return cpu.available()[0]
 
 
 if triton is not None:

@@ -14,10 +14,13 @@ every layout kvmix stores); otherwise each plane of a row is padded to a byte.
 from __future__ import annotations
 
 import math
+from contextvars import ContextVar
 
 import torch
 
 WIDTHS = (1, 2, 3, 4, 8)
+# The fused encoder in use ("triton", "cpu" or None: torch), set by quantizers.fused_encoding.
+ENCODER: ContextVar[str | None] = ContextVar("kvmix_fused_encoding", default=None)
 
 
 def check_bits(bits: int, name: str = "bits", allowed: tuple[int, ...] = WIDTHS) -> int:
@@ -43,6 +46,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     row = codes.shape[-1] if codes.dim() > 1 else 1  # a 1-D tensor: one code per batch row
     rows = codes.reshape(-1, row).to(torch.uint8)  # [M, row]
+    if ENCODER.get() == "cpu":
+        from kvmix.core import fused  # it imports this module
+
+        if fused.packs(rows):
+            return fused.pack_rows(rows, bits).reshape(codes.shape[0], -1)
     if bits == 3:
         packed = torch.cat([_pack_plane(rows & 3, 2), _pack_plane(rows >> 2, 1)], dim=1)
     else:

@@ -19,31 +19,32 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 
 from kvmix.core import fused
-from kvmix.core.packing import check_bits, pack, unpack
+from kvmix.core.packing import ENCODER, check_bits, pack, unpack
 
 STAT_DTYPE = torch.float16
-_FUSED: ContextVar[bool] = ContextVar("kvmix_fused_encoding", default=False)
 
 
 @contextlib.contextmanager
-def fused_encoding(enabled: bool = True) -> Iterator[None]:
-    """Inside, min-max groups of a shape the Triton encoder serves (``fused.fits``) are
-    quantized and packed by it, bit for bit what the torch path gives; elsewhere, torch."""
-    token = _FUSED.set(enabled)
+def fused_encoding(backend: str | None = "triton") -> Iterator[None]:
+    """Inside, min-max groups of a shape ``backend``'s encoder serves (``fused.fits``: Triton,
+    or the CPU op's ``quantize``) are quantized and packed by it, and with the CPU op every
+    ``pack`` too, bit for bit what the torch path gives; elsewhere (another backend, ``None``),
+    torch."""
+    token = ENCODER.set(backend)
     try:
         yield
     finally:
-        _FUSED.reset(token)
+        ENCODER.reset(token)
 
 
 def _fused(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None) -> bool:
-    return _FUSED.get() and valid is None and fused.fits(x, dim, bits)
+    backend = ENCODER.get()
+    return backend is not None and valid is None and fused.fits(x, dim, bits, backend)
 
 
 @dataclass
@@ -77,7 +78,8 @@ def quantize(
     """
     check_bits(bits)
     if dim % x.dim() == x.dim() - 1 and _fused(x, bits, dim, valid):  # a group per row
-        packed, scale, minimum = fused.quantize_codes(x, bits, dim, center, packed=True)
+        packed, scale, minimum = fused.quantize_codes(x, bits, dim, center, packed=True,
+                                                       backend=ENCODER.get())
     else:
         codes, scale, minimum = quantize_codes(x, bits, dim, valid, center)
         packed = pack(codes, bits)
@@ -90,7 +92,8 @@ def quantize_codes(
     """Unpacked codes (uint8, shaped like x) and the float16 scale and minimum (keepdim)."""
     check_bits(bits)
     if _fused(x, bits, dim, valid):
-        return fused.quantize_codes(x, bits, dim, center, packed=False)
+        return fused.quantize_codes(x, bits, dim, center, packed=False,
+                                    backend=ENCODER.get())
     lo, hi = _group_range(x, dim, valid)
     # a tensor divisor: CUDA turns a division by a Python number into a product with its
     # reciprocal, which can differ in the last bit; this division is IEEE on every device

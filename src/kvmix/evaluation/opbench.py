@@ -164,7 +164,7 @@ def _encode_us(cache: KVMixCache, tokens: Tokens, backend: str) -> float:
     device = keys.device
 
     def encode() -> None:
-        with fused_encoding(backend == "triton"):
+        with fused_encoding(backend):
             method.encode(keys, values, 0, row.selection)
 
     return 1e6 * statistics.median(_timed(encode, 10, device)[1] for _ in range(5))

@@ -185,11 +185,14 @@ class Method:
         raise NotImplementedError(f"{self.name} selects from the prompt's queries only")
 
     def transform_keys(self, keys: torch.Tensor, layer: int) -> torch.Tensor:
-        """Applied to new keys [B, H, q, D] as they enter the cache (after RoPE)."""
+        """Applied to new keys [B, H, q, D] as they enter the cache (after RoPE). A method (or a
+        setting) that leaves keys as they are returns ``keys`` itself: the vLLM plugin then
+        skips the call."""
         return keys
 
     def transform_queries(self, queries: torch.Tensor, layer: int) -> torch.Tensor:
-        """Applied to queries [B, Hq, q, D] in the attention hook, so that q'·k' = q·k."""
+        """Applied to queries [B, Hq, q, D] in the attention hook, so that q'·k' = q·k; like
+        ``transform_keys``, ``queries`` itself where it changes nothing."""
         return queries
 
     def value_fold(self, spec: ModelSpec) -> tuple[torch.Tensor, str] | None:

@@ -309,7 +309,7 @@ class KVMixLayer(CacheLayerMixin):
         return moved
 
     def _commit(self, new: list[tuple[torch.Tensor, ...]], rows: range | None = None) -> None:
-        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
+        with fused_encoding(self.backend):  # sealed pages encode in the fused kernels
             self.store.append(new, rows)
         fused = FUSED.get(self.backend)
         if fused:
@@ -341,7 +341,7 @@ class KVMixLayer(CacheLayerMixin):
         self.store.keep(self._sealing(query, keys))
 
     def _sealing(self, query: torch.Tensor, keys: torch.Tensor) -> Sealing:
-        with fused_encoding(self.backend == "triton"):  # sealed pages encode on the GPU
+        with fused_encoding(self.backend):  # sealed pages encode in the fused kernels
             return self.store.sealing(query, keys)
 
     def check(self) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
 from kvmix.runtime.accounting import open_groups_bytes
@@ -289,19 +290,19 @@ class LayerCache:
                 self._select_prefills(plan, query, kv)
             selection = self._selection(plan.seal_first)
             _write(self.pages.selection, selection, plan.seal_pages)  # each page self-describing
-        _write(self.pages.blocks, Blocks(*self.method.encode(*groups, self.layer, selection)),
-               plan.seal_pages)
+        with fused_encoding(self.kernels):  # kvmix's own runtime encodes in its kernels too
+            sealed = Blocks(*self.method.encode(*groups, self.layer, selection))
+        _write(self.pages.blocks, sealed, plan.seal_pages)
 
     def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
-        model's dtype."""
+        model's dtype (a view of a token-major buffer, every token of it written)."""
         (_, H, _, D), G = self.staged.keys.shape, self.method.group
-        groups = kv.new_zeros(2, plan.sealed, H, G, D, dtype=self.dtype)
-        carried = self.staged.take(plan.carry_positions)
-        groups[:, plan.carry_entries, :, plan.carry_offsets] = \
-            torch.stack(carried, 1).to(self.dtype)  # [n, 2, H, D]
-        groups[:, plan.seal_entries, :, plan.seal_offsets] = kv[plan.seal_tokens].to(self.dtype)
-        return groups
+        tokens = kv.new_empty(plan.sealed * G, 2, H, D, dtype=self.dtype)  # [E·G, 2, H, D]
+        tokens.index_copy_(0, plan.carry_at,
+                           torch.stack(self.staged.take(plan.carry_positions), 1).to(self.dtype))
+        tokens.index_copy_(0, plan.seal_at, kv[plan.seal_tokens].to(self.dtype))
+        return tokens.view(plan.sealed, G, 2, H, D).permute(2, 0, 3, 1, 4)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
                 values: torch.Tensor) -> None:

@@ -115,8 +115,8 @@ class StepPlan:
     Staging slot ``s`` holds its open group at staging positions ``s·G .. s·G + G - 1``.
     Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
     open group go to staging positions ``staged_positions``; those of a group sealed now to
-    entry ``seal_entries`` of the seal buffer [E, H, G, D] at ``seal_offsets``, joined by the
-    staged tokens at ``carry_positions`` (into ``carry_entries`` at ``carry_offsets``).
+    position ``seal_at`` (entry · G + offset) of the seal buffer [E · G, H, D], joined by the
+    staged tokens at ``carry_positions`` (into ``carry_at``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page),
     ``first_entries`` (those that are their row's first group: they select).
     Kernel rows (one per token attended by the kernels: a decode row's token, and with
@@ -139,11 +139,9 @@ class StepPlan:
     staged_tokens: torch.Tensor
     staged_positions: torch.Tensor
     seal_tokens: torch.Tensor
-    seal_entries: torch.Tensor
-    seal_offsets: torch.Tensor
-    carry_entries: torch.Tensor
+    seal_at: torch.Tensor
     carry_positions: torch.Tensor
-    carry_offsets: torch.Tensor
+    carry_at: torch.Tensor
     seal_pages: torch.Tensor
     seal_first: torch.Tensor
     new_slots: torch.Tensor  # slots whose group opens this step (their query sums restart)
@@ -300,11 +298,9 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         staged_tokens=upload(np.flatnonzero(~sealing)),
         staged_positions=upload(final_slots[token_row[~sealing]] * G + offset[~sealing]),
         seal_tokens=upload(np.flatnonzero(sealing)),
-        seal_entries=upload(token_entry[sealing]),
-        seal_offsets=upload(offset[sealing]),
-        carry_entries=upload(entry_start[carry_row]),
+        seal_at=upload(token_entry[sealing] * G + offset[sealing]),
         carry_positions=upload(staged_slots[carry_row] * G + carry_offset),
-        carry_offsets=upload(carry_offset),
+        carry_at=upload(entry_start[carry_row] * G + carry_offset),
         seal_pages=upload(seal_pages),
         seal_first=upload(page(entry_row, np.zeros_like(entry_row))),
         new_slots=upload(final_slots[opening]),

@@ -25,7 +25,9 @@
 //   rows.h          packed rows -> floats and the float block kernels per width and length;
 //   vnni.h          integer dot products (AVX-512 VNNI + VBMI) and their stand-ins;
 //   problem.h       what a call attends;       task.h       one KV head over a range of units;
-//   float_pages.h, channel_keys.h, token_keys.h   the task's work per layout.
+//   float_pages.h, channel_keys.h, token_keys.h   the task's work per layout;
+//   quantize.h      kvmix::quantize and kvmix::pack, the encoder of sealed groups (not a
+//                   part of decode).
 
 #include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
@@ -33,6 +35,7 @@
 #endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -45,6 +48,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "decode/common.h"
@@ -56,6 +60,7 @@
 #include "decode/float_pages.h"
 #include "decode/channel_keys.h"
 #include "decode/token_keys.h"
+#include "decode/quantize.h"
 
 namespace {
 
@@ -453,6 +458,81 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   return solve(problems, query.options()).squeeze(2);
 }
 
+
+// kvmix::quantize: x [B, ...] (float32, float16 or bfloat16, any strides) quantized in groups
+// along `dim` (a power of two of 8 to 256 elements) -> codes (uint8 shaped like x, contiguous,
+// or packed [B, bytes] when `packed`: the groups in order, a row each), scale and minimum
+// (float16, x's shape with `dim` kept as 1).
+std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64_t dim,
+                                            bool center, bool packed) {
+  check(valid_bits(bits), "bits must be 1, 2, 3, 4 or 8");
+  check(x.dim() >= 1, "x must have a dimension");
+  dim = dim < 0 ? dim + x.dim() : dim;
+  check(dim >= 0 && dim < x.dim(), "dim is outside x's dimensions");
+  const int64_t n = x.size(dim);
+  check(n >= 8 && n <= 256 && (n & (n - 1)) == 0,
+        "groups must be a power of two of 8 to 256 elements");
+  check(x.device().is_cpu(), "x must be a CPU tensor");
+  const int64_t groups = x.numel() / n;
+  std::vector<int64_t> stat_shape = x.sizes().vec();
+  stat_shape[dim] = 1;
+  GroupIndex index;
+  int64_t dense = 1, dense_inner = 1;
+  for (int64_t k = x.dim() - 1; k >= 0; --k) {
+    if (k == dim) {
+      dense_inner = dense;
+    } else {
+      index.sizes.insert(index.sizes.begin(), x.size(k));
+      index.strides.insert(index.strides.begin(), x.stride(k));
+      index.dense.insert(index.dense.begin(), dense);
+    }
+    dense *= x.size(k);
+  }
+  const auto half = x.options().dtype(at::kHalf);
+  Tensor scale = at::empty(stat_shape, half), minimum = at::empty(stat_shape, half);
+  Tensor codes = packed ? at::empty({x.size(0), groups / x.size(0) * row_bytes(n, int(bits))},
+                                    x.options().dtype(at::kByte))
+                        : at::empty(x.sizes(), x.options().dtype(at::kByte));
+  uint8_t* out = codes.data_ptr<uint8_t>();
+  at::Half* s = scale.data_ptr<at::Half>();
+  at::Half* m = minimum.data_ptr<at::Half>();
+  switch (x.scalar_type()) {
+    case at::kFloat:
+      quantize_groups(x.data_ptr<float>(), index, groups, n, x.stride(dim), dense_inner,
+                      int(bits), center, packed, out, s, m);
+      break;
+    case at::kHalf:
+      quantize_groups(x.data_ptr<at::Half>(), index, groups, n, x.stride(dim), dense_inner,
+                      int(bits), center, packed, out, s, m);
+      break;
+    case at::kBFloat16:
+      quantize_groups(x.data_ptr<at::BFloat16>(), index, groups, n, x.stride(dim), dense_inner,
+                      int(bits), center, packed, out, s, m);
+      break;
+    default:
+      check(false, "x must be float32, float16 or bfloat16");
+  }
+  return {codes, scale, minimum};
+}
+
+// kvmix::pack: codes [M, n] uint8 (< 2^bits, n a multiple of 8) -> [M, row bytes], every row
+// packed as packing.pack packs it.
+Tensor pack(const Tensor& codes, int64_t bits) {
+  check(valid_bits(bits), "bits must be 1, 2, 3, 4 or 8");
+  check(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) % 8 == 0 &&
+            codes.size(1) <= 256,
+        "codes must be [M, n] uint8 with n a multiple of 8 up to 256");
+  const int64_t M = codes.size(0), n = codes.size(1), width = row_bytes(n, int(bits));
+  Tensor out = at::empty({M, width}, codes.options());
+  const uint8_t* in = data<uint8_t>(codes, "codes");
+  uint8_t* o = out.data_ptr<uint8_t>();
+  for_bits(int(bits), [&]<int B>() {
+    at::parallel_for(0, M, 256, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) pack_row<B>(in + m * n, n, o + m * width);
+    });
+  });
+  return out;
+}
 }  // namespace
 
 // The kernels this build holds: "avx512-vnni" (integer dot products) or "float".
@@ -471,6 +551,9 @@ TORCH_LIBRARY(kvmix, m) {
       .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>,
                        std::vector<Tensor>, Tensor, Tensor, Tensor>());
   m.def("simd() -> str", &simd);
+  m.def("quantize(Tensor x, int bits, int dim, bool center, bool packed) -> "
+        "(Tensor, Tensor, Tensor)");
+  m.def("pack(Tensor codes, int bits) -> Tensor");
   m.def(
       "decode(Tensor query, float scale, Tensor[] float_keys, Tensor[] float_values, "
       "int causal_last, int group, int[] lengths, "
@@ -489,4 +572,6 @@ TORCH_LIBRARY(kvmix, m) {
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode", &decode);
   m.impl("decode_batch", &decode_batch);
+  m.impl("quantize", &quantize);
+  m.impl("pack", &pack);
 }

@@ -1,0 +1,220 @@
+// kvmix::quantize — min-max (or bin-center) groups quantized and packed on CPU, bit for bit
+// kvmix's torch encoder (quantizers.quantize_codes, packing.pack), as kvmix.core.fused's Triton
+// kernel is on a GPU. Every step repeats the torch encoder's arithmetic in the input's dtype
+// (T: float, at::Half or at::BFloat16): each operation done in float32 and rounded to T, as
+// torch's elementwise kernels do; divisions IEEE; rounding half to even; the float16 statistics
+// rounded outward one float16 ulp at a time, as torch.nextafter steps. Built without
+// -ffast-math and in ISO C++ (no contraction into fused multiply-adds).
+#pragma once
+
+namespace {
+
+constexpr float ROUNDER = 12582912.f;  // 1.5·2^23
+constexpr int LANES = 8;  // groups (or a group's elements) computed side by side
+
+template <typename T>
+inline float in_dtype(float v) { return static_cast<float>(T(v)); }  // v rounded to T
+
+// The float16 neighbour of r towards +inf (up) or -inf: torch.nextafter on float16.
+inline at::Half next_half(at::Half r, bool up) {
+  uint16_t raw = r.x;
+  const bool negative = raw & 0x8000, zero = (raw & 0x7fff) == 0;
+  if (zero) raw = up ? 0x0001 : 0x8001;
+  else raw = (negative != up) ? raw + 1 : raw - 1;
+  at::Half out;
+  out.x = raw;
+  return out;
+}
+
+// v rounded to float16 in one direction, compared in T (quantizers._round16).
+template <typename T>
+inline at::Half round_half(float v, bool down) {
+  const at::Half r(v);
+  const float back = in_dtype<T>(static_cast<float>(r));
+  return (down ? back > v : back < v) ? next_half(r, !down) : r;
+}
+
+// A group's float16 statistics from its range, and what its codes are computed against (the
+// minimum and the scale, or 1 for a constant group, back in T).
+template <typename T>
+struct Grid {
+  at::Half scale, minimum;
+  float m, safe;
+
+  Grid(float lo, float hi, int bits, bool center) {
+    const bool constant = hi == lo;
+    minimum = constant ? at::Half(lo) : round_half<T>(lo, true);
+    m = in_dtype<T>(static_cast<float>(minimum));
+    const float levels = float(center ? 1 << bits : (1 << bits) - 1);
+    const float step = in_dtype<T>(in_dtype<T>(hi - m) / levels);
+    scale = constant ? at::Half(0.f) : round_half<T>(step, false);
+    const float s = in_dtype<T>(static_cast<float>(scale));
+    safe = s > 0.f ? s : 1.f;
+  }
+
+  // x's code: clamped first (to integers, so as after rounding), then floor (truncation,
+  // >= 0) or half to even (adding and taking away 1.5·2^23 rounds to an integer in that mode).
+  uint8_t code(float x, float top, bool center) const {
+    const float steps = in_dtype<T>(in_dtype<T>(x - m) / safe);
+    const float v = std::min(std::max(steps, 0.f), top);
+    return uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
+  }
+};
+
+// One group of n elements `inner` apart (DENSE: 1 apart) -> its statistics and codes [n].
+template <typename T, int BITS, bool DENSE>
+void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half& scale,
+                    at::Half& minimum, uint8_t* codes) {
+  const int64_t inner = DENSE ? 1 : stride;
+  constexpr int bits = BITS;
+  float lo[LANES], hi[LANES];  // n >= 8: each lane a share of the elements
+  for (int l = 0; l < LANES; ++l) lo[l] = hi[l] = static_cast<float>(x[l * inner]);
+  for (int64_t i = LANES; i < n; i += LANES)
+    for (int l = 0; l < LANES; ++l) {
+      const float v = static_cast<float>(x[(i + l) * inner]);
+      lo[l] = v < lo[l] ? v : lo[l];
+      hi[l] = v > hi[l] ? v : hi[l];
+    }
+  for (int l = 1; l < LANES; ++l) {
+    lo[0] = lo[l] < lo[0] ? lo[l] : lo[0];
+    hi[0] = hi[l] > hi[0] ? hi[l] : hi[0];
+  }
+  const Grid<T> grid(lo[0], hi[0], bits, center);
+  scale = grid.scale;
+  minimum = grid.minimum;
+  constexpr float top = float((1 << BITS) - 1);
+  for (int64_t i = 0; i < n; ++i) codes[i] = grid.code(static_cast<float>(x[i * inner]), top, center);
+}
+
+// LANES groups side by side (group l's elements at x[i·inner + l]: per-channel keys read
+// across channels) -> their statistics and codes [LANES][n], one vector op for all lanes.
+template <typename T, int BITS>
+void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half* scale,
+                    at::Half* minimum, uint8_t (*codes)[256]) {
+  constexpr int bits = BITS;
+  float lo[LANES], hi[LANES];
+  for (int l = 0; l < LANES; ++l) lo[l] = hi[l] = static_cast<float>(x[l]);
+  for (int64_t i = 1; i < n; ++i)
+    for (int l = 0; l < LANES; ++l) {
+      const float v = static_cast<float>(x[i * inner + l]);
+      lo[l] = v < lo[l] ? v : lo[l];
+      hi[l] = v > hi[l] ? v : hi[l];
+    }
+  float m[LANES], safe[LANES];
+  for (int l = 0; l < LANES; ++l) {
+    const Grid<T> grid(lo[l], hi[l], bits, center);
+    scale[l] = grid.scale;
+    minimum[l] = grid.minimum;
+    m[l] = grid.m;
+    safe[l] = grid.safe;
+  }
+  constexpr float top = float((1 << BITS) - 1);
+  for (int64_t i = 0; i < n; ++i)
+    for (int l = 0; l < LANES; ++l) {
+      const float steps =
+          in_dtype<T>(in_dtype<T>(static_cast<float>(x[i * inner + l]) - m[l]) / safe[l]);
+      const float v = std::min(std::max(steps, 0.f), top);
+      codes[l][i] = uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
+    }
+}
+
+// codes [n] -> one packed row: byte w holds codes w, w + W, ... at shifts 0, b, ... (3 bits:
+// the 2-bit plane, then the 1-bit plane).
+template <int BITS>
+void pack_row(const uint8_t* codes, int64_t n, uint8_t* out) {
+  if constexpr (BITS == 3) {
+    uint8_t low[256], top[256];
+    for (int64_t i = 0; i < n; ++i) low[i] = codes[i] & 3, top[i] = codes[i] >> 2;
+    pack_row<2>(low, n, out);
+    pack_row<1>(top, n, out + n / 4);
+  } else {
+    constexpr int per = 8 / BITS;
+    const int64_t W = n * BITS / 8;
+    for (int64_t w = 0; w < W; ++w) {
+      uint8_t byte = 0;
+      for (int s = 0; s < per; ++s) byte |= uint8_t(codes[s * W + w] << (s * BITS));
+      out[w] = byte;
+    }
+  }
+}
+
+// Where the groups start, in the order of x's other dimensions: in x (its strides) and in a
+// contiguous tensor of x's shape, walked one group after another (no division per group).
+struct GroupIndex {
+  std::vector<int64_t> sizes, strides, dense;  // x's dimensions but the group's
+
+  struct Cursor {
+    const GroupIndex& index;
+    std::vector<int64_t> at;  // the multi-index of the current group
+    int64_t source = 0, target = 0;
+
+    Cursor(const GroupIndex& index, int64_t g) : index(index), at(index.sizes.size()) {
+      for (int64_t k = int64_t(at.size()) - 1; k >= 0; --k) {
+        at[k] = g % index.sizes[k];
+        g /= index.sizes[k];
+        source += at[k] * index.strides[k];
+        target += at[k] * index.dense[k];
+      }
+    }
+
+    void next() {
+      for (int64_t k = int64_t(at.size()) - 1; k >= 0; --k) {
+        source += index.strides[k];
+        target += index.dense[k];
+        if (++at[k] < index.sizes[k]) return;
+        source -= at[k] * index.strides[k];
+        target -= at[k] * index.dense[k];
+        at[k] = 0;
+      }
+    }
+  };
+};
+
+// x groups of n elements `inner` apart, placed by `index`: codes uint8 shaped like x, or
+// packed [B, bytes] (groups in order, a row each); scale, min float16 [groups]. Where groups
+// lie side by side (the last other dimension has stride 1 and a multiple of LANES elements),
+// LANES of them at a time.
+template <typename T, int BITS>
+void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_t n,
+                     int64_t inner, int64_t dense_inner, bool center, bool packed,
+                     uint8_t* codes, at::Half* scale, at::Half* min) {
+  const int64_t width = row_bytes(n, BITS);
+  const bool lanes = inner != 1 && !index.sizes.empty() && index.strides.back() == 1 &&
+                     index.sizes.back() % LANES == 0;
+  const int64_t step = lanes ? LANES : 1;
+  at::parallel_for(0, groups / step, 8, [&](int64_t begin, int64_t end) {
+    uint8_t rows[LANES][256];
+    GroupIndex::Cursor group(index, begin * step);
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t g = b * step;
+      const T* first = x + group.source;
+      if (lanes)
+        quantize_lanes<T, BITS>(first, n, inner, center, scale + g, min + g, rows);
+      else if (inner == 1)
+        quantize_group<T, BITS, true>(first, n, 1, center, scale[g], min[g], rows[0]);
+      else
+        quantize_group<T, BITS, false>(first, n, inner, center, scale[g], min[g], rows[0]);
+      for (int64_t l = 0; l < step; ++l, group.next()) {
+        if (packed) {
+          pack_row<BITS>(rows[l], n, codes + (g + l) * width);
+        } else {
+          uint8_t* out = codes + group.target;
+          for (int64_t i = 0; i < n; ++i) out[i * dense_inner] = rows[l][i];
+        }
+      }
+    }
+  });
+}
+
+// quantize_groups at a width known at run time.
+template <typename T>
+void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_t n,
+                     int64_t inner, int64_t dense_inner, int bits, bool center, bool packed,
+                     uint8_t* codes, at::Half* scale, at::Half* min) {
+  for_bits(bits, [&]<int B>() {
+    quantize_groups<T, B>(x, index, groups, n, inner, dense_inner, center, packed, codes,
+                          scale, min);
+  });
+}
+
+}  // namespace
