@@ -78,7 +78,8 @@ def test_shapes_the_kernel_does_not_tile_stay_on_torch(backend):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_the_cpu_encoder_reads_strided_views_and_every_group_size(bits, dtype):
     """Views the methods hand it (transposed keys, channel groups cut from a token, a
-    non-contiguous slice), groups of 8 to 128 elements (the op holds up to 256), groups side by side and apart."""
+    non-contiguous slice), groups of 8 to 128 elements (the op holds up to 256), groups side
+    by side and apart."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(2, 3, 32, 128, generator=g) * 5 + 1).to(dtype)
     views = [x.transpose(-1, -2), x.unflatten(-1, (-1, 8)), x[:, :, ::2], x[..., 8:72],
