@@ -16,7 +16,8 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    "torch"``) decodes row by row and prefill chunks a block of whole groups at a time, pages
    decoded. With ``prefill="exact"``, a prompt's first chunk attends over its own tokens in
    float instead, as a float prefill;
-3. stage — the new tokens of groups still open written to their staging slots.
+3. stage — the new tokens of groups still open written to their staging slots (by the CPU
+   op, once every row has read them, where no reference-path chunk reads the staging later).
 """
 
 from __future__ import annotations
@@ -122,11 +123,13 @@ class LayerCache:
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if plan.sealed:
             self._seal(plan, query, kv, sums)
+        staged = False
         if plan.decode_tokens.numel():
-            self._decode(plan, query, kv, new, scale, output)
+            staged = self._decode(plan, query, kv, new, scale, output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
-        self._stage(plan, new)
+        if not staged:
+            self._stage(plan, new)
 
     def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
@@ -146,20 +149,22 @@ class LayerCache:
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> None:
+    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> bool:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row). The CPU op reads each row's floats where they
-        lie (the staging, the step's ``new`` tokens [2, H, N, D]); the other paths from the
-        step's float buffer."""
+        lie (the staging, the step's ``new`` tokens [2, H, N, D]) and, where no chunk reads the
+        staging after it, stages the new tokens itself; the other paths read the step's float
+        buffer. -> whether the new tokens are staged."""
         tokens = plan.decode_tokens
         if self.kernels == "torch":
             context = self._context(plan, kv)
             for row, token in enumerate(tokens.tolist()):
                 self._reference(plan, row, token, query, context, scale, output)
-            return
+            return False
         pool = self._pool_view(plan)
         rows = query if plan.every_token else query[tokens]
         rows = rows.float().contiguous()  # [Rd, Hq, D]
+        step = {}
         if self.kernels == "triton":
             table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
             out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
@@ -173,15 +178,19 @@ class LayerCache:
             output.copy_(out)
         else:
             output[tokens] = out.to(output.dtype)
+        return "stage_at" in step
 
     def _cpu_floats(self, plan: StepPlan, kv, new) -> tuple:
         """What the CPU op reads of the rows' floats: slot keys, slot values, spans and the
         step's keyword arguments — the staging [1, H, slots·G, D] and the step's new tokens
-        [1, H, N, D] in place (``inplace_spans``), or, for a staging the op does not read
-        (bfloat16), the step's float buffer widened (``spans``)."""
+        [1, H, N, D] in place (``inplace_spans``; with no chunk to read the staging after the
+        op, the op then stages the new tokens: ``stage_at``), or, for a staging the op does not
+        read (bfloat16), the step's float buffer widened (``spans``)."""
         if new.dtype in cpu.SEGMENT_DTYPES:
-            return (self.staged.keys, self.staged.values, plan.inplace_spans,
-                    {"step_keys": new[0:1], "step_values": new[1:2]})
+            step = {"step_keys": new[0:1], "step_values": new[1:2]}
+            if not plan.chunks:
+                step["stage_at"] = plan.stage_at
+            return self.staged.keys, self.staged.values, plan.inplace_spans, step
         return (*self._context(plan, kv).float(), plan.spans, {})
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:

@@ -138,6 +138,7 @@ class StepPlan:
     group: int
     staged_tokens: torch.Tensor
     staged_positions: torch.Tensor
+    stage_at: torch.Tensor  # [N] each token's staging position (-1: its group is sealed now)
     seal_tokens: torch.Tensor
     seal_at: torch.Tensor
     carry_positions: torch.Tensor
@@ -297,6 +298,7 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         group=G,
         staged_tokens=upload(np.flatnonzero(~sealing)),
         staged_positions=upload(final_slots[token_row[~sealing]] * G + offset[~sealing]),
+        stage_at=upload(np.where(sealing, -1, final_slots[token_row] * G + offset)),
         seal_tokens=upload(np.flatnonzero(sealing)),
         seal_at=upload(token_entry[sealing] * G + offset[sealing]),
         carry_positions=upload(staged_slots[carry_row] * G + carry_offset),

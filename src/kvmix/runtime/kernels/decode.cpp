@@ -344,10 +344,29 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
   return solve({p}, query.options())[0];
 }
 
+// The step's tokens [1, H, N, D] (`keys`/`values` of the step) into the slot arena [1, H, T, D]
+// at `stage_at` [N] (-1: a token not staged), after every row has read the arena.
+void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64_t N,
+           const char* keys, const char* values, int64_t T, int64_t H, int64_t D,
+           size_t width) {
+  const int64_t* at = data<int64_t>(stage_at, "stage_at");
+  for (int64_t i = 0; i < N; ++i)
+    check(at[i] >= -1 && at[i] < T, "stage_at names a position outside the slots");
+  const size_t bytes = D * width;
+  for (int64_t h = 0; h < H; ++h)
+    for (int64_t i = 0; i < N; ++i) {
+      if (at[i] < 0) continue;
+      const size_t from = (h * N + i) * bytes, to = (h * T + at[i]) * bytes;
+      std::memcpy(const_cast<char*>(keys) + to, step_k + from, bytes);
+      std::memcpy(const_cast<char*>(values) + to, step_v + from, bytes);
+    }
+}
+
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
-// float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one arena [1, H, T, D] all sequences share
-// (spans [S, 4]: sink start and length, residual start and length, in the sequence's row; with
-// step keys and values [1, H, N, D], the second span lies in them: the vLLM plugin's new tokens),
+// float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one
+// arena [1, H, T, D] all sequences share (spans [S, 4]: sink start and length, residual start
+// and length, in the sequence's row; with step keys and values [1, H, N, D], the second span
+// lies in them: the vLLM plugin's new tokens, which `stage_at` then writes into the arena),
 // and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
 // pages [P, H, G, D] (the `full` method), or packed ones with per-sequence plane indices,
 // multipliers and key offsets [S or 1, H, ...].
@@ -358,7 +377,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& page_values, const Planes& planes,
                     const Groups& token_keys, const Groups& value_groups,
                     const std::optional<Tensor>& skip, const std::optional<Tensor>& step_keys,
-                    const std::optional<Tensor>& step_values) {
+                    const std::optional<Tensor>& step_values,
+                    const std::optional<Tensor>& stage_at) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -393,6 +413,10 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
               step_values->scalar_type() == slot_keys.scalar_type(),
           "step keys and values must be [1, H, N, D] of the slots' dtype");
   const int64_t N = step ? step_keys->size(2) : T;
+  check(!stage_at.has_value() ||
+            (step && slot_keys.size(0) == 1 && stage_at->dim() == 1 && stage_at->size(0) == N &&
+             stage_at->scalar_type() == at::kLong),
+        "stage_at must be [N] int64 with step keys and values and one slot arena");
   const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
   const char* step_v =
       step ? static_cast<const char*>(elements(*step_values, "step values")) : values;
@@ -455,7 +479,9 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
-  return solve(problems, query.options()).squeeze(2);
+  Tensor out = solve(problems, query.options()).squeeze(2);
+  if (stage_at.has_value()) stage(*stage_at, step_k, step_v, N, keys, values, T, H, D, width);
+  return out;
 }
 
 
@@ -561,12 +587,12 @@ TORCH_LIBRARY(kvmix, m) {
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups) -> Tensor");
   m.def(
-      "decode_batch(Tensor query, float scale, Tensor slot_keys, Tensor slot_values, "
+      "decode_batch(Tensor query, float scale, Tensor(a!) slot_keys, Tensor(b!) slot_values, "
       "Tensor spans, int group, Tensor pages, Tensor held, Tensor counts, Tensor? page_keys, "
       "Tensor? page_values, __torch__.torch.classes.kvmix.ChannelPlanes? planes, "
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
-      "Tensor? step_keys=None, Tensor? step_values=None) -> Tensor");
+      "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
