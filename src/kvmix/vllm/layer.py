@@ -118,9 +118,12 @@ class LayerCache:
         schedules it."""
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
+        sums = self._first_group_sums(plan, query)  # first groups fill over steps
+        if self._op_steps(plan):  # the op lays out, attends and stages the new tokens
+            self._decode(plan, query, None, (key, value), scale, output)
+            return
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
-        sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if plan.sealed:
             self._seal(plan, query, kv, sums)
         staged = False
@@ -130,6 +133,13 @@ class LayerCache:
             self._chunk(chunk, query, kv, scale, output)
         if not staged:
             self._stage(plan, new)
+
+    def _op_steps(self, plan: StepPlan) -> bool:
+        """Whether the CPU op does all of this step: no group sealed (which reads the new tokens
+        laid out), every token a kernel row (no chunk through the reference path), a staging
+        the op reads in place."""
+        return (self.kernels == "cpu" and not plan.sealed and not plan.chunks
+                and plan.decode_tokens.numel() > 0 and self.staged.dtype in cpu.SEGMENT_DTYPES)
 
     def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
@@ -152,9 +162,10 @@ class LayerCache:
     def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> bool:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row). The CPU op reads each row's floats where they
-        lie (the staging, the step's ``new`` tokens [2, H, N, D]) and, where no chunk reads the
-        staging after it, stages the new tokens itself; the other paths read the step's float
-        buffer. -> whether the new tokens are staged."""
+        lie (the staging, the step's ``new`` tokens [2, H, N, D] or (key, value) it lays out
+        itself: ``_cpu_floats``) and, where no chunk reads the staging after it, stages the new
+        tokens itself; the other paths read the step's float buffer. -> whether the new tokens
+        are staged."""
         tokens = plan.decode_tokens
         if self.kernels == "torch":
             context = self._context(plan, kv)
@@ -182,16 +193,20 @@ class LayerCache:
 
     def _cpu_floats(self, plan: StepPlan, kv, new) -> tuple:
         """What the CPU op reads of the rows' floats: slot keys, slot values, spans and the
-        step's keyword arguments — the staging [1, H, slots·G, D] and the step's new tokens
-        [1, H, N, D] in place (``inplace_spans``; with no chunk to read the staging after the
-        op, the op then stages the new tokens: ``stage_at``), or, for a staging the op does not
-        read (bfloat16), the step's float buffer widened (``spans``)."""
-        if new.dtype in cpu.SEGMENT_DTYPES:
+        step's keyword arguments — the staging [1, H, slots·G, D] and the step's new tokens in
+        place (``inplace_spans``): laid out [2, H, N, D] (``new``), or, as (key, value) [N, H,
+        D], laid out by the op; with no chunk to read the staging after the op, the op then
+        stages the new tokens (``stage_at``). For a staging the op does not read (bfloat16), the
+        step's float buffer widened (``spans``)."""
+        if isinstance(new, tuple):
+            step = {"new_keys": new[0], "new_values": new[1]}
+        elif new.dtype in cpu.SEGMENT_DTYPES:
             step = {"step_keys": new[0:1], "step_values": new[1:2]}
-            if not plan.chunks:
-                step["stage_at"] = plan.stage_at
-            return self.staged.keys, self.staged.values, plan.inplace_spans, step
-        return (*self._context(plan, kv).float(), plan.spans, {})
+        else:
+            return (*self._context(plan, kv).float(), plan.spans, {})
+        if not plan.chunks:
+            step["stage_at"] = plan.stage_at
+        return self.staged.keys, self.staged.values, plan.inplace_spans, step
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The step's float buffer: each kernel row's group (staged tokens, then new ones) once

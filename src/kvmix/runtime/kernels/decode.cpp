@@ -366,7 +366,8 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
 // float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one
 // arena [1, H, T, D] all sequences share (spans [S, 4]: sink start and length, residual start
 // and length, in the sequence's row; with step keys and values [1, H, N, D], the second span
-// lies in them: the vLLM plugin's new tokens, which `stage_at` then writes into the arena),
+// lies in them: the vLLM plugin's new tokens, given as they are or as new keys and values
+// [N, H, D] the op lays out, which `stage_at` then writes into the arena),
 // and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
 // pages [P, H, G, D] (the `full` method), or packed ones with per-sequence plane indices,
 // multipliers and key offsets [S or 1, H, ...].
@@ -376,9 +377,12 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& page_keys,
                     const std::optional<Tensor>& page_values, const Planes& planes,
                     const Groups& token_keys, const Groups& value_groups,
-                    const std::optional<Tensor>& skip, const std::optional<Tensor>& step_keys,
-                    const std::optional<Tensor>& step_values,
-                    const std::optional<Tensor>& stage_at) {
+                    const std::optional<Tensor>& skip,
+                    const std::optional<Tensor>& given_step_keys,
+                    const std::optional<Tensor>& given_step_values,
+                    const std::optional<Tensor>& stage_at,
+                    const std::optional<Tensor>& new_keys,
+                    const std::optional<Tensor>& new_values) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -403,7 +407,22 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const size_t width = half ? 2 : 4;  // bytes per element
   const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
   const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
-  // the second span in the step's own tokens [1, H, N, D] where they are given, else in the slots
+  // the second span in the step's own tokens [1, H, N, D] where they are given (or laid out
+  // here from new keys and values [N, H, D], rounded to the slots' dtype by torch's copy, as
+  // the caller would), else in the slots
+  std::optional<Tensor> step_keys = given_step_keys, step_values = given_step_values;
+  check(new_keys.has_value() == new_values.has_value() && !(new_keys && step_keys),
+        "new keys and values pair up, and replace step keys and values");
+  if (new_keys) {
+    check(new_keys->dim() == 3 && new_keys->size(1) == H && new_keys->size(2) == D &&
+              new_values->sizes() == new_keys->sizes(),
+          "new keys and values must be [N, H, D]");
+    Tensor laid = at::empty({2, 1, H, new_keys->size(0), D}, slot_keys.options());
+    laid.select(0, 0).select(0, 0).copy_(new_keys->transpose(0, 1));
+    laid.select(0, 1).select(0, 0).copy_(new_values->transpose(0, 1));
+    step_keys = laid.select(0, 0);
+    step_values = laid.select(0, 1);
+  }
   check(step_keys.has_value() == step_values.has_value(), "step keys and values must pair up");
   const bool step = step_keys.has_value();
   if (step)
@@ -592,7 +611,8 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor? page_values, __torch__.torch.classes.kvmix.ChannelPlanes? planes, "
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
-      "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None) -> Tensor");
+      "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
+      "Tensor? new_keys=None, Tensor? new_values=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
