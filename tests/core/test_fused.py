@@ -2,7 +2,9 @@
 and the CPU op's ``quantize``) bit for bit against the torch encoder: every width, min-max and
 bin-center, float32, float16 and bfloat16, groups along either axis (the CPU op also through
 strided views), and the hard cases of the float16 statistics (constant groups, values near
-zero that round to -0 or a subnormal, large magnitudes)."""
+zero that round to -0 or a subnormal, large magnitudes). Statistics compare as values: a group
+whose minimum is both +0 and -0 may keep either (torch's own choice follows its reduction
+order, which follows its vector width)."""
 
 from __future__ import annotations
 
@@ -78,12 +80,11 @@ def test_shapes_the_kernel_does_not_tile_stay_on_torch(backend):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 8])
 def test_the_cpu_encoder_reads_strided_views_and_every_group_size(bits, dtype):
     """Views the methods hand it (transposed keys, channel groups cut from a token, a
-    non-contiguous slice), groups of 8 to 128 elements (the op holds up to 256), groups side
-    by side and apart."""
+    non-contiguous slice), groups of 8 to 256 elements, groups side by side and apart."""
     g = torch.Generator().manual_seed(1)
     x = (torch.randn(2, 3, 32, 128, generator=g) * 5 + 1).to(dtype)
     views = [x.transpose(-1, -2), x.unflatten(-1, (-1, 8)), x[:, :, ::2], x[..., 8:72],
-             x.transpose(1, 2)]
+             x.transpose(1, 2), x.flatten(2).unflatten(-1, (-1, 256))]  # the largest group
     for view in views:
         for dim in range(view.dim()):
             if not fused.fits(view, dim, bits, "cpu"):
@@ -107,3 +108,8 @@ def test_the_cpu_encoder_packs_as_torch_packs(bits):
         assert torch.equal(got, pack(codes, bits))
     assert fused.packs(torch.zeros(2, 64, dtype=torch.uint8))
     assert not fused.packs(torch.zeros(2, 12, dtype=torch.uint8))
+
+
+def test_an_unknown_encoder_is_refused():
+    with pytest.raises(ValueError, match="backend=True is invalid"), fused_encoding(True):
+        pass

@@ -57,6 +57,30 @@ def test_calls_per_layer_step_do_not_grow_with_the_batch(name):
     assert all(one[1] + 1 >= four[1] for one, four in zip(counts[1], counts[4], strict=True))
 
 
+@pytest.mark.parametrize("name, ops", [("kivi2", {"quantize"}),  # packed as it quantizes
+                                       ("pnmix1", {"quantize", "pack"})])  # its planes apart
+def test_pages_sealed_on_the_cpu_backend_go_through_the_ops_encoder(name, ops):
+    """A flush's encode runs in the op library's encoder (bit for bit torch's: the reference
+    comparisons of this module hold it to what the torch path stores)."""
+    cache = make(name, backend="cpu", max_batch=2, max_tokens=80)
+    prefill(cache, [40, 40])
+
+    class Encoder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.namespace == "kvmix":
+                self.seen.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    with Encoder() as mode:
+        for i in range(10):  # group 8: a page sealed on the way
+            step(cache, 2, i, tokens(2, 1, 50 + i, dtype=torch.float32))
+    assert ops | {"decode_batch"} <= mode.seen
+
+
 class Syncs:
     """Counts Tensor.item, Tensor.tolist and Tensor.__bool__ calls while patched."""
 

@@ -12,6 +12,9 @@ through the bit pattern, as ``torch.nextafter`` does. Groups must be a power of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from kvmix.core.packing import row_bytes
@@ -23,19 +26,37 @@ except ImportError:  # the `triton` extra is optional
     triton = tl = None
 
 BLOCK_GROUPS = 16  # groups per program
-
-
 CPU_MAX_GROUP = 256  # elements of a group the CPU op's encoder holds
+BACKENDS = ("triton", "cpu")
+
+
+class CpuEncoder(NamedTuple):
+    """The CPU op's encoder, registered by ``kvmix.runtime.kernels.cpu`` when imported (the
+    op library lives with the runtime's kernels): ``quantize(x, bits, dim, center, packed)``,
+    ``pack(rows, bits)``, ``available()``."""
+
+    quantize: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    pack: Callable[[torch.Tensor, int], torch.Tensor]
+    available: Callable[[], bool]
+
+
+_cpu: CpuEncoder | None = None
+
+
+def register_cpu(encoder: CpuEncoder) -> None:
+    global _cpu
+    _cpu = encoder
 
 
 def fits(x: torch.Tensor, dim: int, bits: int, backend: str = "triton") -> bool:
     """Whether ``backend``'s encoder serves quantizing ``x`` along ``dim`` at ``bits``."""
     size = x.shape[dim]
-    shape = (bits in (1, 2, 3, 4, 8) and size >= 8 and size & (size - 1) == 0
-             and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    served = (bits in (1, 2, 3, 4, 8) and size >= 8 and size & (size - 1) == 0
+              and x.dtype in (torch.float32, torch.float16, torch.bfloat16))
     if backend == "cpu":
-        return shape and size <= CPU_MAX_GROUP and x.device.type == "cpu" and _cpu_op()
-    return shape and backend == "triton" and triton is not None
+        return (served and size <= CPU_MAX_GROUP and x.dim() >= 2 and x.shape[0] > 0
+                and x.device.type == "cpu" and _cpu_op())
+    return served and backend == "triton" and triton is not None
 
 
 def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: bool,
@@ -45,9 +66,7 @@ def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: b
     float16 shaped like x with ``dim`` kept as 1."""
     dim = dim % x.dim()
     if backend == "cpu":  # reads x through its strides
-        from kvmix.runtime.kernels import cpu  # the op library lives with the runtime's kernels
-
-        return cpu.call("quantize", x, bits, dim, center, packed)
+        return _cpu.quantize(x, bits, dim, center, packed)
     x = x.contiguous()
     size, inner = x.shape[dim], x.stride(dim)  # a group: N elements `inner` apart
     groups = x.numel() // size
@@ -73,16 +92,12 @@ def packs(rows: torch.Tensor) -> bool:
 
 def pack_rows(rows: torch.Tensor, bits: int) -> torch.Tensor:
     """rows [M, n] uint8 codes (``packs``) -> [M, bytes], as ``packing.pack`` packs them."""
-    from kvmix.runtime.kernels import cpu
-
-    return cpu.call("pack", rows.contiguous(), bits)
+    return _cpu.pack(rows.contiguous(), bits)
 
 
 def _cpu_op() -> bool:
-    """Whether the CPU op (and its encoder) builds and loads here."""
-    from kvmix.runtime.kernels import cpu
-
-    return cpu.available()[0]
+    """Whether the CPU op's encoder is registered, and the op builds and loads here."""
+    return _cpu is not None and _cpu.available()
 
 
 if triton is not None:

@@ -35,6 +35,9 @@ def fused_encoding(backend: str | None = "triton") -> Iterator[None]:
     or the CPU op's ``quantize``) are quantized and packed by it, and with the CPU op every
     ``pack`` too, bit for bit what the torch path gives; elsewhere (another backend, ``None``),
     torch."""
+    if backend not in (None, "torch", *fused.BACKENDS):
+        raise ValueError(f"backend={backend!r} is invalid; expected None, 'torch' or one of "
+                         f"{list(fused.BACKENDS)}")
     token = ENCODER.set(backend)
     try:
         yield

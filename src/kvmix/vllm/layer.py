@@ -119,7 +119,7 @@ class LayerCache:
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
-        if self._op_steps(plan):  # the op lays out, attends and stages the new tokens
+        if self._one_op_call(plan):  # the op lays out, attends and stages the new tokens
             self._decode(plan, query, None, (key, value), scale, output)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
@@ -134,7 +134,7 @@ class LayerCache:
         if not staged:
             self._stage(plan, new)
 
-    def _op_steps(self, plan: StepPlan) -> bool:
+    def _one_op_call(self, plan: StepPlan) -> bool:
         """Whether the CPU op does all of this step: no group sealed (which reads the new tokens
         laid out), every token a kernel row (no chunk through the reference path), a staging
         the op reads in place."""

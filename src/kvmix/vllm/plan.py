@@ -115,7 +115,7 @@ class StepPlan:
     Staging slot ``s`` holds its open group at staging positions ``s·G .. s·G + G - 1``.
     Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
     open group go to staging positions ``staged_positions``; those of a group sealed now to
-    position ``seal_at`` (entry · G + offset) of the seal buffer [E · G, H, D], joined by the
+    position ``seal_at`` (entry · G + offset) of the seal buffer [E · G, 2, H, D], joined by the
     staged tokens at ``carry_positions`` (into ``carry_at``).
     Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page),
     ``first_entries`` (those that are their row's first group: they select).

@@ -1,6 +1,7 @@
 """The fused CPU decode op (``decode.cpp``): built with the system C++ compiler on first use into
 a cache keyed by the source, the torch version, the compiler and the CPU, then loaded as the
-torch op ``torch.ops.kvmix.decode``.
+torch ops ``torch.ops.kvmix.decode`` and ``decode_batch`` (and the encoder's ``quantize`` and
+``pack``, registered with ``kvmix.core.fused``).
 
 ``attend`` mirrors ``kvmix.runtime.kernels.reference.attend`` for a few new queries of one
 sequence: the same inputs, the same output, without building a float history. On a CPU with
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from kvmix.core import fused
 from kvmix.core.paths import cache_root
 from kvmix.methods import ChannelKeys, KernelView
 from kvmix.runtime.kernels import batch
@@ -310,3 +312,8 @@ def _cpu_flags() -> str:
         pass
     return platform.processor()
 
+
+
+fused.register_cpu(fused.CpuEncoder(lambda *args: call("quantize", *args),
+                                    lambda rows, bits: call("pack", rows, bits),
+                                    lambda: available()[0]))

@@ -347,18 +347,18 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 // The step's tokens [1, H, N, D] (`keys`/`values` of the step) into the slot arena [1, H, T, D]
 // at `stage_at` [N] (-1: a token not staged), after every row has read the arena.
 void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64_t N,
-           const char* keys, const char* values, int64_t T, int64_t H, int64_t D,
+           const Tensor& slot_keys, const Tensor& slot_values, int64_t T, int64_t H, int64_t D,
            size_t width) {
-  const int64_t* at = data<int64_t>(stage_at, "stage_at");
-  for (int64_t i = 0; i < N; ++i)
-    check(at[i] >= -1 && at[i] < T, "stage_at names a position outside the slots");
+  const int64_t* at = stage_at.data_ptr<int64_t>();  // checked before the call's work
+  char* keys = static_cast<char*>(slot_keys.data_ptr());
+  char* values = static_cast<char*>(slot_values.data_ptr());
   const size_t bytes = D * width;
   for (int64_t h = 0; h < H; ++h)
     for (int64_t i = 0; i < N; ++i) {
       if (at[i] < 0) continue;
       const size_t from = (h * N + i) * bytes, to = (h * T + at[i]) * bytes;
-      std::memcpy(const_cast<char*>(keys) + to, step_k + from, bytes);
-      std::memcpy(const_cast<char*>(values) + to, step_v + from, bytes);
+      std::memcpy(keys + to, step_k + from, bytes);
+      std::memcpy(values + to, step_v + from, bytes);
     }
 }
 
@@ -436,6 +436,11 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
             (step && slot_keys.size(0) == 1 && stage_at->dim() == 1 && stage_at->size(0) == N &&
              stage_at->scalar_type() == at::kLong),
         "stage_at must be [N] int64 with step keys and values and one slot arena");
+  if (stage_at.has_value()) {
+    const int64_t* at = data<int64_t>(*stage_at, "stage_at");
+    for (int64_t i = 0; i < N; ++i)
+      check(at[i] >= -1 && at[i] < T, "stage_at names a position outside the slots");
+  }
   const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
   const char* step_v =
       step ? static_cast<const char*>(elements(*step_values, "step values")) : values;
@@ -499,7 +504,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
   Tensor out = solve(problems, query.options()).squeeze(2);
-  if (stage_at.has_value()) stage(*stage_at, step_k, step_v, N, keys, values, T, H, D, width);
+  if (stage_at.has_value())
+    stage(*stage_at, step_k, step_v, N, slot_keys, slot_values, T, H, D, width);
   return out;
 }
 
@@ -515,8 +521,11 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
   dim = dim < 0 ? dim + x.dim() : dim;
   check(dim >= 0 && dim < x.dim(), "dim is outside x's dimensions");
   const int64_t n = x.size(dim);
-  check(n >= 8 && n <= 256 && (n & (n - 1)) == 0,
+  check(n >= 8 && n <= MAX_GROUP && (n & (n - 1)) == 0,
         "groups must be a power of two of 8 to 256 elements");
+  check(x.size(0) > 0 && (!packed || (x.dim() >= 2 && dim == x.dim() - 1)),
+        "x must be non-empty, and packed groups must lie along the last of two or more "
+        "dimensions");
   check(x.device().is_cpu(), "x must be a CPU tensor");
   const int64_t groups = x.numel() / n;
   std::vector<int64_t> stat_shape = x.sizes().vec();
@@ -565,7 +574,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
 Tensor pack(const Tensor& codes, int64_t bits) {
   check(valid_bits(bits), "bits must be 1, 2, 3, 4 or 8");
   check(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.size(1) % 8 == 0 &&
-            codes.size(1) <= 256,
+            codes.size(1) <= MAX_GROUP,
         "codes must be [M, n] uint8 with n a multiple of 8 up to 256");
   const int64_t M = codes.size(0), n = codes.size(1), width = row_bytes(n, int(bits));
   Tensor out = at::empty({M, width}, codes.options());

@@ -4,13 +4,16 @@
 // (T: float, at::Half or at::BFloat16): each operation done in float32 and rounded to T, as
 // torch's elementwise kernels do; divisions IEEE; rounding half to even; the float16 statistics
 // rounded outward one float16 ulp at a time, as torch.nextafter steps. Built without
-// -ffast-math and in ISO C++ (no contraction into fused multiply-adds).
+// -ffast-math; no step multiplies, so none can be contracted into a fused multiply-add. One
+// difference in bits, none in values: a group whose minimum is both +0 and -0 may keep the
+// other zero than torch's amin, whose choice follows its reduction order.
 #pragma once
 
 namespace {
 
 constexpr float ROUNDER = 12582912.f;  // 1.5·2^23
 constexpr int LANES = 8;  // groups (or a group's elements) computed side by side
+constexpr int64_t MAX_GROUP = 256;  // elements of a group (fused.CPU_MAX_GROUP)
 
 template <typename T>
 inline float in_dtype(float v) { return static_cast<float>(T(v)); }  // v rounded to T
@@ -34,6 +37,16 @@ inline at::Half round_half(float v, bool down) {
   return (down ? back > v : back < v) ? next_half(r, !down) : r;
 }
 
+// x's code against a group's minimum m and scale (safe: 1 for a constant group), both in T:
+// clamped first (to integers, so as after rounding), then floor (truncation, >= 0) or half to
+// even (adding and taking away 1.5·2^23 rounds to an integer in that mode).
+template <typename T>
+inline uint8_t code_of(float x, float m, float safe, float top, bool center) {
+  const float steps = in_dtype<T>(in_dtype<T>(x - m) / safe);
+  const float v = std::min(std::max(steps, 0.f), top);
+  return uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
+}
+
 // A group's float16 statistics from its range, and what its codes are computed against (the
 // minimum and the scale, or 1 for a constant group, back in T).
 template <typename T>
@@ -52,12 +65,8 @@ struct Grid {
     safe = s > 0.f ? s : 1.f;
   }
 
-  // x's code: clamped first (to integers, so as after rounding), then floor (truncation,
-  // >= 0) or half to even (adding and taking away 1.5·2^23 rounds to an integer in that mode).
   uint8_t code(float x, float top, bool center) const {
-    const float steps = in_dtype<T>(in_dtype<T>(x - m) / safe);
-    const float v = std::min(std::max(steps, 0.f), top);
-    return uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
+    return code_of<T>(x, m, safe, top, center);
   }
 };
 
@@ -66,7 +75,6 @@ template <typename T, int BITS, bool DENSE>
 void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half& scale,
                     at::Half& minimum, uint8_t* codes) {
   const int64_t inner = DENSE ? 1 : stride;
-  constexpr int bits = BITS;
   float lo[LANES], hi[LANES];  // n >= 8: each lane a share of the elements
   for (int l = 0; l < LANES; ++l) lo[l] = hi[l] = static_cast<float>(x[l * inner]);
   for (int64_t i = LANES; i < n; i += LANES)
@@ -79,7 +87,7 @@ void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half
     lo[0] = lo[l] < lo[0] ? lo[l] : lo[0];
     hi[0] = hi[l] > hi[0] ? hi[l] : hi[0];
   }
-  const Grid<T> grid(lo[0], hi[0], bits, center);
+  const Grid<T> grid(lo[0], hi[0], BITS, center);
   scale = grid.scale;
   minimum = grid.minimum;
   constexpr float top = float((1 << BITS) - 1);
@@ -90,8 +98,7 @@ void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half
 // across channels) -> their statistics and codes [LANES][n], one vector op for all lanes.
 template <typename T, int BITS>
 void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half* scale,
-                    at::Half* minimum, uint8_t (*codes)[256]) {
-  constexpr int bits = BITS;
+                    at::Half* minimum, uint8_t (*codes)[MAX_GROUP]) {
   float lo[LANES], hi[LANES];
   for (int l = 0; l < LANES; ++l) lo[l] = hi[l] = static_cast<float>(x[l]);
   for (int64_t i = 1; i < n; ++i)
@@ -102,7 +109,7 @@ void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half*
     }
   float m[LANES], safe[LANES];
   for (int l = 0; l < LANES; ++l) {
-    const Grid<T> grid(lo[l], hi[l], bits, center);
+    const Grid<T> grid(lo[l], hi[l], BITS, center);
     scale[l] = grid.scale;
     minimum[l] = grid.minimum;
     m[l] = grid.m;
@@ -110,12 +117,8 @@ void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half*
   }
   constexpr float top = float((1 << BITS) - 1);
   for (int64_t i = 0; i < n; ++i)
-    for (int l = 0; l < LANES; ++l) {
-      const float steps =
-          in_dtype<T>(in_dtype<T>(static_cast<float>(x[i * inner + l]) - m[l]) / safe[l]);
-      const float v = std::min(std::max(steps, 0.f), top);
-      codes[l][i] = uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
-    }
+    for (int l = 0; l < LANES; ++l)
+      codes[l][i] = code_of<T>(static_cast<float>(x[i * inner + l]), m[l], safe[l], top, center);
 }
 
 // codes [n] -> one packed row: byte w holds codes w, w + W, ... at shifts 0, b, ... (3 bits:
@@ -123,7 +126,7 @@ void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half*
 template <int BITS>
 void pack_row(const uint8_t* codes, int64_t n, uint8_t* out) {
   if constexpr (BITS == 3) {
-    uint8_t low[256], top[256];
+    uint8_t low[MAX_GROUP], top[MAX_GROUP];
     for (int64_t i = 0; i < n; ++i) low[i] = codes[i] & 3, top[i] = codes[i] >> 2;
     pack_row<2>(low, n, out);
     pack_row<1>(top, n, out + n / 4);
@@ -183,7 +186,7 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
                      index.sizes.back() % LANES == 0;
   const int64_t step = lanes ? LANES : 1;
   at::parallel_for(0, groups / step, 8, [&](int64_t begin, int64_t end) {
-    uint8_t rows[LANES][256];
+    uint8_t rows[LANES][MAX_GROUP];
     GroupIndex::Cursor group(index, begin * step);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t g = b * step;
