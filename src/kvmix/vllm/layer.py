@@ -119,27 +119,26 @@ class LayerCache:
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
-        if self._one_op_call(plan):  # the op lays out, attends and stages the new tokens
+        if self._op_stages(plan) and not plan.sealed:  # one op call: no token laid out here
             self._decode(plan, query, None, (key, value), scale, output)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         if plan.sealed:
             self._seal(plan, query, kv, sums)
-        staged = False
         if plan.decode_tokens.numel():
-            staged = self._decode(plan, query, kv, new, scale, output)
+            self._decode(plan, query, kv, new, scale, output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
-        if not staged:
+        if not self._op_stages(plan):
             self._stage(plan, new)
 
-    def _one_op_call(self, plan: StepPlan) -> bool:
-        """Whether the CPU op does all of this step: no group sealed (which reads the new tokens
-        laid out), every token a kernel row (no chunk through the reference path), a staging
-        the op reads in place."""
-        return (self.kernels == "cpu" and not plan.sealed and not plan.chunks
-                and plan.decode_tokens.numel() > 0 and self.staged.dtype in cpu.SEGMENT_DTYPES)
+    def _op_stages(self, plan: StepPlan) -> bool:
+        """Whether the CPU op stages the step's new tokens (after every kernel row has read the
+        staging): it reads the staging in place and no chunk through the reference path reads
+        it after the op."""
+        return (self.kernels == "cpu" and self.staged.dtype in cpu.SEGMENT_DTYPES
+                and not plan.chunks and plan.decode_tokens.numel() > 0)
 
     def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
@@ -159,37 +158,34 @@ class LayerCache:
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> bool:
+    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row). The CPU op reads each row's floats where they
         lie (the staging, the step's ``new`` tokens [2, H, N, D] or (key, value) it lays out
-        itself: ``_cpu_floats``) and, where no chunk reads the staging after it, stages the new
-        tokens itself; the other paths read the step's float buffer. -> whether the new tokens
-        are staged."""
+        itself: ``_cpu_floats``) and stages the new tokens where ``_op_stages``; the other paths
+        read the step's float buffer."""
         tokens = plan.decode_tokens
         if self.kernels == "torch":
             context = self._context(plan, kv)
             for row, token in enumerate(tokens.tolist()):
                 self._reference(plan, row, token, query, context, scale, output)
-            return False
+            return
         pool = self._pool_view(plan)
         rows = query if plan.every_token else query[tokens]
         rows = rows.float().contiguous()  # [Rd, Hq, D]
-        step = {}
         if self.kernels == "triton":
             table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
             out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
                                    (*self._context(plan, kv), plan.spans))
         else:
-            *floats, step = self._cpu_floats(plan, kv, new)
+            *floats, tokens_in = self._cpu_floats(plan, kv, new)
             out = cpu.call("decode_batch", rows, scale, *floats, self.method.group, plan.table,
                            plan.held, plan.counts,
-                           *batch.arguments(pool, "cpu", cpu.built_arguments), **step)
+                           *batch.arguments(pool, "cpu", cpu.built_arguments), **tokens_in)
         if plan.every_token:
             output.copy_(out)
         else:
             output[tokens] = out.to(output.dtype)
-        return "stage_at" in step
 
     def _cpu_floats(self, plan: StepPlan, kv, new) -> tuple:
         """What the CPU op reads of the rows' floats: slot keys, slot values, spans and the
@@ -199,14 +195,14 @@ class LayerCache:
         stages the new tokens (``stage_at``). For a staging the op does not read (bfloat16), the
         step's float buffer widened (``spans``)."""
         if isinstance(new, tuple):
-            step = {"new_keys": new[0], "new_values": new[1]}
+            tokens = {"new_keys": new[0], "new_values": new[1]}
         elif new.dtype in cpu.SEGMENT_DTYPES:
-            step = {"step_keys": new[0:1], "step_values": new[1:2]}
+            tokens = {"step_keys": new[0:1], "step_values": new[1:2]}
         else:
             return (*self._context(plan, kv).float(), plan.spans, {})
-        if not plan.chunks:
-            step["stage_at"] = plan.stage_at
-        return self.staged.keys, self.staged.values, plan.inplace_spans, step
+        if self._op_stages(plan):
+            tokens["stage_at"] = plan.stage_at
+        return self.staged.keys, self.staged.values, plan.inplace_spans, tokens
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The step's float buffer: each kernel row's group (staged tokens, then new ones) once

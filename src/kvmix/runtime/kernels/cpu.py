@@ -313,7 +313,6 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-
 fused.register_cpu(fused.CpuEncoder(lambda *args: call("quantize", *args),
                                     lambda rows, bits: call("pack", rows, bits),
                                     lambda: available()[0]))

@@ -362,6 +362,19 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
     }
 }
 
+// The step's new keys and values [N, H, D] (any float dtype and strides) -> [2, 1, H, N, D] in
+// the slots' dtype (`options`), rounded by torch's own copy, as the plugin would lay them out.
+Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
+               const at::TensorOptions& options) {
+  check(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D &&
+            values.sizes() == keys.sizes(),
+        "new keys and values must be [N, H, D]");
+  Tensor laid = at::empty({2, 1, H, keys.size(0), D}, options);
+  laid.select(0, 0).select(0, 0).copy_(keys.transpose(0, 1));
+  laid.select(0, 1).select(0, 0).copy_(values.transpose(0, 1));
+  return laid;
+}
+
 // A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
 // float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one
 // arena [1, H, T, D] all sequences share (spans [S, 4]: sink start and length, residual start
@@ -414,12 +427,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   check(new_keys.has_value() == new_values.has_value() && !(new_keys && step_keys),
         "new keys and values pair up, and replace step keys and values");
   if (new_keys) {
-    check(new_keys->dim() == 3 && new_keys->size(1) == H && new_keys->size(2) == D &&
-              new_values->sizes() == new_keys->sizes(),
-          "new keys and values must be [N, H, D]");
-    Tensor laid = at::empty({2, 1, H, new_keys->size(0), D}, slot_keys.options());
-    laid.select(0, 0).select(0, 0).copy_(new_keys->transpose(0, 1));
-    laid.select(0, 1).select(0, 0).copy_(new_values->transpose(0, 1));
+    const Tensor laid = lay_out(*new_keys, *new_values, H, D, slot_keys.options());
     step_keys = laid.select(0, 0);
     step_values = laid.select(0, 1);
   }
@@ -509,7 +517,6 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   return out;
 }
 
-
 // kvmix::quantize: x [B, ...] (float32, float16 or bfloat16, any strides) quantized in groups
 // along `dim` (a power of two of 8 to 256 elements) -> codes (uint8 shaped like x, contiguous,
 // or packed [B, bytes] when `packed`: the groups in order, a row each), scale and minimum
@@ -530,18 +537,7 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
   const int64_t groups = x.numel() / n;
   std::vector<int64_t> stat_shape = x.sizes().vec();
   stat_shape[dim] = 1;
-  GroupIndex index;
-  int64_t dense = 1, dense_inner = 1;
-  for (int64_t k = x.dim() - 1; k >= 0; --k) {
-    if (k == dim) {
-      dense_inner = dense;
-    } else {
-      index.sizes.insert(index.sizes.begin(), x.size(k));
-      index.strides.insert(index.strides.begin(), x.stride(k));
-      index.dense.insert(index.dense.begin(), dense);
-    }
-    dense *= x.size(k);
-  }
+  const GroupIndex index(x, dim);
   const auto half = x.options().dtype(at::kHalf);
   Tensor scale = at::empty(stat_shape, half), minimum = at::empty(stat_shape, half);
   Tensor codes = packed ? at::empty({x.size(0), groups / x.size(0) * row_bytes(n, int(bits))},
@@ -550,21 +546,14 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
   uint8_t* out = codes.data_ptr<uint8_t>();
   at::Half* s = scale.data_ptr<at::Half>();
   at::Half* m = minimum.data_ptr<at::Half>();
+  const auto run = [&](const auto* data) {
+    quantize_groups(data, index, groups, n, x.stride(dim), int(bits), center, packed, out, s, m);
+  };
   switch (x.scalar_type()) {
-    case at::kFloat:
-      quantize_groups(x.data_ptr<float>(), index, groups, n, x.stride(dim), dense_inner,
-                      int(bits), center, packed, out, s, m);
-      break;
-    case at::kHalf:
-      quantize_groups(x.data_ptr<at::Half>(), index, groups, n, x.stride(dim), dense_inner,
-                      int(bits), center, packed, out, s, m);
-      break;
-    case at::kBFloat16:
-      quantize_groups(x.data_ptr<at::BFloat16>(), index, groups, n, x.stride(dim), dense_inner,
-                      int(bits), center, packed, out, s, m);
-      break;
-    default:
-      check(false, "x must be float32, float16 or bfloat16");
+    case at::kFloat: run(x.data_ptr<float>()); break;
+    case at::kHalf: run(x.data_ptr<at::Half>()); break;
+    case at::kBFloat16: run(x.data_ptr<at::BFloat16>()); break;
+    default: check(false, "x must be float32, float16 or bfloat16");
   }
   return {codes, scale, minimum};
 }
@@ -587,6 +576,7 @@ Tensor pack(const Tensor& codes, int64_t bits) {
   });
   return out;
 }
+
 }  // namespace
 
 // The kernels this build holds: "avx512-vnni" (integer dot products) or "float".

@@ -91,7 +91,8 @@ void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half
   scale = grid.scale;
   minimum = grid.minimum;
   constexpr float top = float((1 << BITS) - 1);
-  for (int64_t i = 0; i < n; ++i) codes[i] = grid.code(static_cast<float>(x[i * inner]), top, center);
+  for (int64_t i = 0; i < n; ++i)
+    codes[i] = grid.code(static_cast<float>(x[i * inner]), top, center);
 }
 
 // LANES groups side by side (group l's elements at x[i·inner + l]: per-channel keys read
@@ -145,6 +146,21 @@ void pack_row(const uint8_t* codes, int64_t n, uint8_t* out) {
 // contiguous tensor of x's shape, walked one group after another (no division per group).
 struct GroupIndex {
   std::vector<int64_t> sizes, strides, dense;  // x's dimensions but the group's
+  int64_t dense_inner = 1;  // a group's elements apart, in the contiguous tensor
+
+  GroupIndex(const at::Tensor& x, int64_t dim) {
+    int64_t step = 1;
+    for (int64_t k = x.dim() - 1; k >= 0; --k) {
+      if (k == dim) {
+        dense_inner = step;
+      } else {
+        sizes.insert(sizes.begin(), x.size(k));
+        strides.insert(strides.begin(), x.stride(k));
+        dense.insert(dense.begin(), step);
+      }
+      step *= x.size(k);
+    }
+  }
 
   struct Cursor {
     const GroupIndex& index;
@@ -179,8 +195,8 @@ struct GroupIndex {
 // LANES of them at a time.
 template <typename T, int BITS>
 void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_t n,
-                     int64_t inner, int64_t dense_inner, bool center, bool packed,
-                     uint8_t* codes, at::Half* scale, at::Half* min) {
+                     int64_t inner, bool center, bool packed, uint8_t* codes,
+                     at::Half* scale, at::Half* min) {
   const int64_t width = row_bytes(n, BITS);
   const bool lanes = inner != 1 && !index.sizes.empty() && index.strides.back() == 1 &&
                      index.sizes.back() % LANES == 0;
@@ -202,7 +218,7 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
           pack_row<BITS>(rows[l], n, codes + (g + l) * width);
         } else {
           uint8_t* out = codes + group.target;
-          for (int64_t i = 0; i < n; ++i) out[i * dense_inner] = rows[l][i];
+          for (int64_t i = 0; i < n; ++i) out[i * index.dense_inner] = rows[l][i];
         }
       }
     }
@@ -212,11 +228,10 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
 // quantize_groups at a width known at run time.
 template <typename T>
 void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_t n,
-                     int64_t inner, int64_t dense_inner, int bits, bool center, bool packed,
-                     uint8_t* codes, at::Half* scale, at::Half* min) {
+                     int64_t inner, int bits, bool center, bool packed, uint8_t* codes,
+                     at::Half* scale, at::Half* min) {
   for_bits(bits, [&]<int B>() {
-    quantize_groups<T, B>(x, index, groups, n, inner, dense_inner, center, packed, codes,
-                          scale, min);
+    quantize_groups<T, B>(x, index, groups, n, inner, center, packed, codes, scale, min);
   });
 }
 
