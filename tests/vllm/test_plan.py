@@ -14,17 +14,19 @@ from conftest import TINY
 from helpers import HQ, PAIRS, D, H, assert_near, method_string, op_tolerance
 from transformers import LlamaConfig
 
+from kvmix.core.quantizers import dequantize_per_token
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, parse_method
 from kvmix.runtime.cache import model_spec
 from kvmix.runtime.kernels import gpu
 from kvmix.vllm import plan
-from kvmix.vllm.layer import LayerCache, staging_nbytes
+from kvmix.vllm.layer import LayerCache, staging_nbytes, token_values_unserved
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StagingLost, plan_step
 from kvmix.vllm.settings import Refused, Settings, laid_out
 
 G, BLOCK, LAYER, BLOCKS = 8, 16, 1, 12
+LAYERS = TINY["num_hidden_layers"]
 # new tokens per step of three sequences (0: not in that step): chunks that end mid-group and
 # on a group's end, decodes that seal, a chunk that carries staged tokens across two groups
 SCHEDULE = [[11, 3, 0], [6, 1, 5], [1, 1, 16], [1, 1, 1], [1, 1, 1], [1, 1, 0], [5, 0, 1],
@@ -36,7 +38,7 @@ METHODS = ["full", "kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "kxvy:rotate=key
 
 
 def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str = "auto",
-                 prefill: str = "decode") -> Settings:
+                 prefill: str = "decode", values: str = "group") -> Settings:
     per_token = name.startswith("ggml")
     text = name if per_token else method_string(name, sink=0, residual=G, group=G)
     method = laid_out(parse_method(text), text)
@@ -44,7 +46,7 @@ def settings_for(name: str, staging: torch.dtype = torch.float32, kernels: str =
     fold = method.value_fold(model_spec(config))
     spec = model_spec(config, PAIRS, None, fold[1] if fold else None)
     method.bind(spec)
-    return Settings(method, staging, text, spec, torch.float32, kernels, prefill)
+    return Settings(method, staging, text, spec, torch.float32, kernels, prefill, values)
 
 
 class Run:
@@ -125,11 +127,14 @@ class Run:
 
     def attention(self, s: int, t: int, groups: list[Blocks], selection) -> torch.Tensor:
         """Token ``t``'s output: the groups before its own decoded, then its own group's exact
-        floats (whatever step it came in)."""
+        floats (whatever step it came in) — its values quantized token by token with
+        ``values="token"``."""
         method, G = self.method, self.method.group
         sealed = t // G
         keys = method.transform_keys(self.k[s][: t + 1].transpose(0, 1).unsqueeze(0), LAYER)
         values = self.v[s][: t + 1].transpose(0, 1).unsqueeze(0)  # [1, H, t+1, D]
+        if not self.settings.staged_values:
+            values = dequantize_per_token(method.token_values(values, LAYER), torch.float32)
         if sealed:
             stacked = combine(groups[:sealed], lambda ts: torch.stack(ts, 1))
             old = method.decode(stacked, LAYER, selection, torch.float32)  # [1, n, H, G, D]
@@ -319,6 +324,51 @@ def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
     floats = 2 * 5 * H * G * D * staging.itemsize  # keys and values, 5 slots
     assert layers[0].staging_bytes() >= floats
     assert sum(cache.staging_bytes() for cache in layers) == staging_nbytes(settings, 5)
+
+
+@pytest.mark.parametrize("name", ["kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "pnmix1",
+                                  "chanmix"])
+def test_values_by_token_fill_the_methods_pages_and_own_groups_attend_quantized_values(name):
+    """values="token": every page still holds the method's encode of its group, bit for bit
+    (values written token by token as they came, keys at the seal), and each token attends to
+    its own group's keys as floats and its values as the page holds them."""
+    run = Run(settings_for(name, values="token")).run()
+    assert run.cache.staged.values is None and run.cache.kernels == "cpu"
+    check(run)
+    by_request = Run(settings_for(name, values="token"), by_request=True).run()
+    for a, b in zip(by_request.outputs, run.outputs, strict=True):
+        assert_near(a, b, 1e-5)
+
+
+def test_values_by_token_change_only_the_own_groups_values():
+    """Against the default (values staged as floats), the outputs differ — the own group's
+    values are quantized — and the sealed pages do not."""
+    token = Run(settings_for("kivi2", values="token")).run()
+    group = Run(settings_for("kivi2")).run()
+    for s, n in enumerate(np.array(SCHEDULE).sum(0)):
+        for g in range(n // G):
+            assert same(token.stored(s, g), group.stored(s, g))
+    assert max((a - b).abs().max() for a, b in zip(token.outputs, group.outputs,
+                                                    strict=True)) > 1e-3
+
+
+@pytest.mark.parametrize("name, staging", [("pnmix1", torch.float16), ("kivi2", torch.float32)])
+def test_values_by_token_stage_keys_only(name, staging):
+    group, token = (settings_for(name, staging, values=v) for v in ("group", "token"))
+    sums = staging_nbytes(group, 5) - 2 * 5 * H * G * D * staging.itemsize * LAYERS
+    assert staging_nbytes(token, 5) == 5 * H * G * D * staging.itemsize * LAYERS + sums
+    cache = LayerCache(token, LAYER, torch.float32, 5, BLOCK, torch.device("cpu"))
+    assert cache.staging_bytes() * LAYERS == staging_nbytes(token, 5)
+
+
+@pytest.mark.parametrize("kernels, staging, match", [
+    ("torch", torch.float32, "kernels: torch"),
+    ("cpu", torch.bfloat16, "not torch.bfloat16"),
+])
+def test_values_by_token_where_the_cpu_op_cannot_read_them_are_refused(kernels, staging, match):
+    settings = settings_for("kivi2", staging, kernels, values="token")
+    assert match in token_values_unserved(settings, torch.device("cpu"))
+    assert token_values_unserved(settings_for("kivi2", values="token"), torch.device("cpu")) == ""
 
 
 @pytest.mark.parametrize("name, transforms", [

@@ -221,6 +221,12 @@ class Method:
         """Stacked state -> keys, values: [B, n_blocks, Hkv, group, D] in ``dtype``."""
         raise NotImplementedError
 
+    def token_values(self, values: torch.Tensor, layer: int) -> QuantizedTensor | None:
+        """values [B, Hkv, T, D] -> what ``encode`` stores of them (its ``Blocks.values``), for a
+        method whose values are per-token groups: each token's codes then depend on that token
+        alone, so a block's values can be written token by token. None for other methods."""
+        return None
+
     def bits(self, layer: int, dtype: torch.dtype) -> tuple[float, float]:
         """Theoretical stored bits per key element and per value element of a block."""
         raise NotImplementedError
@@ -277,6 +283,9 @@ class PerTokenValues(Method):
 
     def encode_values(self, values: torch.Tensor) -> QuantizedTensor:
         return quantize_per_token(values, self.value_bits, self.value_group)  # [B, H, G, D]
+
+    def token_values(self, values: torch.Tensor, layer: int) -> QuantizedTensor:
+        return self.encode_values(values)
 
     def decode_values(self, blocks: Blocks, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]

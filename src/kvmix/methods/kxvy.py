@@ -27,6 +27,7 @@ import torch
 from kvmix.core.allocation import allocate
 from kvmix.core.packing import WIDTHS, check_bits
 from kvmix.core.quantizers import (
+    QuantizedTensor,
     dequantize,
     dequantize_per_token,
     quantize,
@@ -166,6 +167,11 @@ class KxVy(Method):
                     quantize_rows(value_rows(values, self.value_group), value_bits, self.backend))
         k = quantize(keys.transpose(-1, -2), key_bits, dim=-1)  # rows: a channel's tokens
         return k, quantize_per_token(values, value_bits, self.value_group)
+
+    def token_values(self, values: torch.Tensor, layer: int) -> QuantizedTensor | None:
+        if self.backend != "native":
+            return None
+        return quantize_per_token(values, per_layer(self.value_bits, layer), self.value_group)
 
     def decode(self, blocks: Blocks, layer: int, selection: Any,
                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

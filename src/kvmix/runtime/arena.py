@@ -6,7 +6,9 @@ Keys and values are one tensor each, [1, H, N, D] in the slot dtype (``Method.sl
 float16 for a quantizing method in a float32 model, or the plugin's ``staging``). Row b owns
 the extent ``[offset[b], offset[b] + capacity[b])``. Extents are placed first fit in the gaps
 rows leave; when none fits, the rows are compacted and the arena grows, unless it is ``fixed``
-(a server's budget, the plugin's slots): then the row is refused. A kernel reads the rows'
+(a server's budget, the plugin's slots): then the row is refused. An arena of keys only
+(``values`` None) stages the keys of the plugin's ``values="token"``, whose values go to their
+pages as they arrive. A kernel reads the rows'
 slots in place, through absolute positions (``spans`` of the fused decode op).
 """
 
@@ -19,14 +21,15 @@ import torch
 from kvmix.core.memory import storage_bytes
 
 
-def token_bytes(heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """One token's keys and values in a slot of ``dtype``."""
-    return 2 * heads * head_dim * dtype.itemsize
+def token_bytes(heads: int, head_dim: int, dtype: torch.dtype, values: bool = True) -> int:
+    """One token's keys (and values) in a slot of ``dtype``."""
+    return (1 + values) * heads * head_dim * dtype.itemsize
 
 
 class SlotArena:
     """Extents of rows in one pair of tensors ``keys``, ``values`` [1, H, N, D] (None before
-    ``allocate``). ``name`` places an error ("layer 3")."""
+    ``allocate``; ``values`` None in an arena of keys only). ``name`` places an error
+    ("layer 3")."""
 
     def __init__(self, name: str):
         self.name = name
@@ -38,11 +41,12 @@ class SlotArena:
         self._positions: dict[torch.device, torch.Tensor] = {}  # offsets on a device
 
     def allocate(self, heads: int, slots: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str, fixed: bool = False) -> None:
-        """An empty arena of ``slots`` slots and no rows (``fixed``: it never grows)."""
+                 device: torch.device | str, fixed: bool = False, values: bool = True) -> None:
+        """An empty arena of ``slots`` slots and no rows (``fixed``: it never grows;
+        ``values``: False for keys only)."""
         shape = (1, heads, slots, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device) if values else None
         self.offset, self.capacity, self.fixed = [], [], fixed
         self._moved()
 
@@ -62,10 +66,10 @@ class SlotArena:
     def extent(self, b: int) -> slice:
         return slice(self.offset[b], self.offset[b] + self.capacity[b])
 
-    def views(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def views(self, b: int) -> tuple[torch.Tensor, ...]:
         """Row ``b``'s extent: keys, values [H, capacity, D] (views)."""
         extent = self.extent(b)
-        return self.keys[0, :, extent], self.values[0, :, extent]
+        return tuple(arena[0, :, extent] for arena in self.tensors())
 
     # -- rows ----------------------------------------------------------------------------------
 
@@ -94,7 +98,7 @@ class SlotArena:
 
     def copy(self, source: int, target: int) -> None:
         """Row ``target``'s slots become a copy of row ``source``'s (same capacity)."""
-        for arena in (self.keys, self.values):
+        for arena in self.tensors():
             arena[..., self.extent(target), :] = arena[..., self.extent(source), :]
 
     def resize(self, slots: int, fixed: bool = True) -> None:
@@ -114,12 +118,12 @@ class SlotArena:
         offsets = list(itertools.accumulate((self.capacity[b] for b in rows), initial=0))
         slots = max(self.slots, offsets[-1]) if slots is None else slots
         fresh = []
-        for arena in (self.keys, self.values):
+        for arena in self.tensors():
             new = arena.new_zeros((*arena.shape[:2], slots, arena.shape[3]))
             for at, b in zip(offsets[:-1], rows, strict=True):
                 new[:, :, at : at + self.capacity[b]] = arena[:, :, self.extent(b)]
             fresh.append(new)
-        self.keys, self.values = fresh
+        self.keys, self.values = (*fresh, None)[:2]
         self.offset, self.capacity = offsets[:-1], [self.capacity[b] for b in rows]
         self._moved()
 
@@ -156,34 +160,39 @@ class SlotArena:
             self._positions[device] = torch.tensor(self.offset, dtype=torch.long, device=device)
         return self._positions[device][rows] + within
 
-    def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Keys, values [*positions.shape, H, D] at ``positions`` (a copy)."""
-        return tuple(arena[0].transpose(0, 1)[positions] for arena in (self.keys, self.values))
+        return tuple(arena[0].transpose(0, 1)[positions] for arena in self.tensors())
 
-    def put(self, positions: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys, values [n, H, D] into ``positions`` [n] (rounded to the slot dtype)."""
-        for arena, new in ((self.keys, keys), (self.values, values)):  # [N, H, D] <- [n, H, D]
+    def put(self, positions: torch.Tensor, keys: torch.Tensor,
+            values: torch.Tensor | None = None) -> None:
+        """keys, values [n, H, D] into ``positions`` [n] (rounded to the slot dtype; values
+        ignored by an arena of keys only)."""
+        # [N, H, D] <- [n, H, D]
+        for arena, new in zip(self.tensors(), (keys, values), strict=False):
             arena[0].transpose(0, 1).index_copy_(0, positions, new.to(arena.dtype))
 
     def move(self, target: torch.Tensor, source: torch.Tensor) -> None:
         """Slots ``source`` copied to ``target`` (same shape; read before written)."""
-        for arena in (self.keys, self.values):
+        for arena in self.tensors():
             arena[0][:, target] = arena[0][:, source]
 
     # -- bytes and devices ---------------------------------------------------------------------
 
     def nbytes(self) -> int:
-        """What the arena keeps alive: both tensors' storages."""
+        """What the arena keeps alive: its tensors' storages."""
         return sum(storage_bytes(t) for t in self.tensors())
 
     def token_bytes(self) -> int:
-        return token_bytes(self.keys.shape[1], self.keys.shape[3], self.keys.dtype)
+        return token_bytes(self.keys.shape[1], self.keys.shape[3], self.keys.dtype,
+                           self.values is not None)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [] if self.keys is None else [self.keys, self.values]
+        """The arena's tensors: keys, then values where it holds them."""
+        return [t for t in (self.keys, self.values) if t is not None]
 
     def to(self, device: torch.device | str) -> None:
         if self.keys is not None:
-            self.keys = self.keys.to(device, non_blocking=True)
-            self.values = self.values.to(device, non_blocking=True)
+            self.keys, self.values = (None if t is None else t.to(device, non_blocking=True)
+                                      for t in (self.keys, self.values))
         self._moved()

@@ -33,7 +33,13 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from kvmix.runtime.steps import Staged
 from kvmix.vllm import SELECTOR
-from kvmix.vllm.layer import LayerCache, OpenGroups, kernels, staging_nbytes
+from kvmix.vllm.layer import (
+    LayerCache,
+    OpenGroups,
+    kernels,
+    staging_nbytes,
+    token_values_unserved,
+)
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Staging, StepPlan, idle_plan, plan_step
 from kvmix.vllm.settings import Refused, Settings, resolve
@@ -50,7 +56,8 @@ def backend_for(vllm_config: VllmConfig) -> type[KvmixBackend]:
     configuration: vLLM calls some of a backend's methods with no configuration at hand, such
     as ``customize_spec`` while it sizes the cache)."""
     settings = resolve(vllm_config)
-    key = (settings.text, settings.staging, settings.dtype, vllm_config.model_config.model,
+    key = (settings.text, settings.staging, settings.values, settings.dtype,
+           vllm_config.model_config.model,
            settings.spec.name, settings.spec.n_heads, settings.spec.n_kv_heads)
     if key not in _BOUND:
         _BOUND[key] = type("KvmixBackend", (KvmixBackend,), {"settings": settings})
@@ -242,6 +249,8 @@ def startup_line(config: VllmConfig, settings: Settings, spec: AttentionSpec,
 def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
     """``Refused`` naming the first setting of vLLM or of the layer kvmix cannot honour."""
     method = settings.method
+    token = "" if settings.staged_values else token_values_unserved(
+        settings, torch.device(config.device_config.device))
     checks = [
         (layer["kv_cache_dtype"] != "auto",
          f"--kv-cache-dtype {layer['kv_cache_dtype']} on top of kvmix's own packed format "
@@ -277,6 +286,7 @@ def refuse(config: VllmConfig, settings: Settings, **layer: Any) -> None:
         (config.cache_config.block_size % settings.group != 0,
          f"--block-size {config.cache_config.block_size}, not a multiple of "
          f"{method.name}'s group={settings.group}"),
+        (bool(token), f"values='token' here: {token}"),
     ]
     for failed, what in checks:
         if failed:

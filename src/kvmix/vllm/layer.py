@@ -18,6 +18,10 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    float instead, as a float prefill;
 3. stage — the new tokens of groups still open written to their staging slots (by the CPU
    op, once every row has read them, where no reference-path chunk reads the staging later).
+
+With ``values="token"`` the staging holds keys only: before the step's work each new token's
+values are encoded on their own (``Method.token_values``) into their group's page, where the
+CPU op reads a row's own group's values; a seal then encodes keys only.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`
 @dataclass
 class OpenGroups:
     """A layer's float staging: keys, values [1, H, slots · G, D] (each running sequence's open
-    group, an extent each) and, where the method selects, query sums [slots, H, C]."""
+    group, an extent each; keys only with ``values="token"``) and, where the method selects,
+    query sums [slots, H, C]."""
 
     groups: SlotArena
     sums: torch.Tensor | None
@@ -56,7 +61,7 @@ class OpenGroups:
         method, spec = settings.method, settings.spec
         groups = SlotArena("the staging of a layer")
         groups.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
-                        settings.staging, device, fixed=True)
+                        settings.staging, device, fixed=True, values=settings.staged_values)
         groups.add([method.group] * slots)
         if groups.offset != [s * method.group for s in range(slots)]:  # what plans assume
             raise RuntimeError("kvmix: the staging's slots are not one group apart")
@@ -87,6 +92,7 @@ class LayerCache:
                                        torch.zeros(1, heads, 1, spec.head_dim, dtype=dtype,
                                                    device=device))]
         self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
+        self.staged_values = settings.staged_values  # else values go to pages as they arrive
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
 
@@ -103,7 +109,8 @@ class LayerCache:
         self.cache, self._views = cache, (None, None)
 
     def staging_bytes(self) -> int:
-        """What the staging holds: each slot's open group (keys, values) and query sums."""
+        """What the staging holds: each slot's open group (keys, and values unless
+        ``values="token"``) and query sums."""
         sums = 0 if self.sums is None else self.sums.numel() * self.sums.element_size()
         return self.staged.nbytes() + sums
 
@@ -118,6 +125,8 @@ class LayerCache:
         schedules it."""
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
+        if not self.staged_values:
+            self._put_values(plan, value)
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if self._op_stages(plan) and not plan.sealed:  # one op call: no token laid out here
             self._decode(plan, query, None, (key, value), scale, output)
@@ -202,6 +211,9 @@ class LayerCache:
             return (*self._context(plan, kv).float(), plan.spans, {})
         if self._op_stages(plan):
             tokens["stage_at"] = plan.stage_at
+        if not self.staged_values:  # the op reads values from the rows' own pages
+            tokens["value_pages"] = plan.own_pages
+            return self.staged.keys, self.staged.keys, plan.inplace_spans, tokens
         return self.staged.keys, self.staged.values, plan.inplace_spans, tokens
 
     def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
@@ -301,38 +313,61 @@ class LayerCache:
     # -- seal and stage ------------------------------------------------------------------------
 
     def _seal(self, plan: StepPlan, query, kv, sums: torch.Tensor | None) -> None:
-        """Encode every group completed this step into its page, in one call."""
-        groups = self._groups(plan, kv)
+        """Encode every group completed this step into its page, in one call (its keys only
+        with ``values="token"``: its values are in the page already)."""
+        keys, values = (*self._groups(plan, kv), None)[:2]  # [E, H, G, D]
         selection = None
         if self.pages.selection is not None:
-            self._select(plan, sums, *groups)
+            self._select(plan, sums, keys, values)
             if self.exact:
                 self._select_prefills(plan, query, kv)
             selection = self._selection(plan.seal_first)
             _write(self.pages.selection, selection, plan.seal_pages)  # each page self-describing
         with fused_encoding(self.kernels):  # kvmix's own runtime encodes in its kernels too
-            sealed = Blocks(*self.method.encode(*groups, self.layer, selection))
-        _write(self.pages.blocks, sealed, plan.seal_pages)
+            # (keys only: encode's values of the keys themselves are computed and dropped)
+            sealed = Blocks(*self.method.encode(keys, keys if values is None else values,
+                                                self.layer, selection))
+        if values is None:
+            _write(self.pages.blocks.keys, sealed.keys, plan.seal_pages)
+        else:
+            _write(self.pages.blocks, sealed, plan.seal_pages)
 
     def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
-        model's dtype (a view of a token-major buffer, every token of it written)."""
+        model's dtype ([1, E, H, G, D], keys only, with ``values="token"``; a view of a
+        token-major buffer, every token of it written)."""
         (_, H, _, D), G = self.staged.keys.shape, self.method.group
-        tokens = kv.new_empty(plan.sealed * G, 2, H, D, dtype=self.dtype)  # [E·G, 2, H, D]
-        tokens.index_copy_(0, plan.carry_at,
-                           torch.stack(self.staged.take(plan.carry_positions), 1).to(self.dtype))
-        tokens.index_copy_(0, plan.seal_at, kv[plan.seal_tokens].to(self.dtype))
-        return tokens.view(plan.sealed, G, 2, H, D).permute(2, 0, 3, 1, 4)
+        staged = self.staged.take(plan.carry_positions)  # keys (and values) [n, H, D]
+        n = len(staged)
+        tokens = kv.new_empty(plan.sealed * G, n, H, D, dtype=self.dtype)  # [E·G, n, H, D]
+        tokens.index_copy_(0, plan.carry_at, torch.stack(staged, 1).to(self.dtype))
+        tokens.index_copy_(0, plan.seal_at, kv[plan.seal_tokens, :n].to(self.dtype))
+        return tokens.view(plan.sealed, G, n, H, D).permute(2, 0, 3, 1, 4)
+
+    def _put_values(self, plan: StepPlan, value: torch.Tensor) -> None:
+        """value [N, H, D] of the step's tokens, as the staging would round them, encoded
+        token by token into their groups' pages (``values="token"``)."""
+        N, H, _ = value.shape
+        rounded = value.to(self.staged.dtype).to(self.dtype).unsqueeze(2)  # [N, H, 1, D]
+        with fused_encoding(self.kernels):
+            encoded = self.method.token_values(rounded, self.layer)
+        P, G = self.pages.blocks.values.codes.shape[0], self.method.group
+        for (_, target), (_, source) in zip(tagged_tensors(self.pages.blocks.values, ""),
+                                            tagged_tensors(encoded, ""), strict=True):
+            # per page [H, G, ...] <- per token [H, 1, ...]: codes and statistics alike
+            target.view(P, H, G, -1)[plan.token_pages, :, plan.token_offsets] = \
+                source.view(N, H, -1).to(target.dtype)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
-                values: torch.Tensor) -> None:
+                values: torch.Tensor | None) -> None:
         """Selections of the rows whose first group is sealed now, into their first pages."""
         if not plan.selects:
             return
         first = plan.first_entries
         tokens = torch.full((len(first),), float(self.method.group), device=keys.device)
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
-                                         keys[first], self.layer, values[first])
+                                         keys[first], self.layer,
+                                         None if values is None else values[first])
         _write(self.pages.selection, chosen, plan.seal_pages[first])
         self._selected += 1
 
@@ -387,8 +422,10 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
 
 def staging_nbytes(settings: Settings, slots: int) -> int:
     """What every layer's staging holds for ``slots`` running sequences: the open group's keys
-    and values in the staging dtype, and where the method selects, its query sums."""
-    return open_groups_bytes(settings.method, settings.spec, settings.staging, slots)
+    and values (keys only with ``values="token"``) in the staging dtype, and where the method
+    selects, its query sums."""
+    return open_groups_bytes(settings.method, settings.spec, settings.staging, slots,
+                             settings.staged_values)
 
 
 def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
@@ -411,6 +448,19 @@ def kernels(asked: str, method: Method, head_dim: int, dtype: torch.dtype,
     if reason:
         logger.warning("kvmix: decode through the reference path: %s", reason)
     return "torch" if reason else choice
+
+
+def token_values_unserved(settings: Settings, device: torch.device) -> str:
+    """Why ``values="token"`` cannot run with ``settings`` on ``device`` ("" when it can): the
+    CPU op alone reads a row's own values from its page, from a staging it reads in place."""
+    chosen = kernels(settings.kernels, settings.method, settings.spec.head_dim, settings.dtype,
+                     device)
+    if chosen != "cpu":
+        return (f"a row's own values are read from its page by kvmix's CPU op only (kernels: "
+                f"{chosen})")
+    if settings.staging not in cpu.SEGMENT_DTYPES:
+        return f"the CPU op reads a staging of float32 or float16, not {settings.staging}"
+    return ""
 
 
 def _unserved(choice: str, method: Method, head_dim: int, dtype: torch.dtype,

@@ -32,7 +32,12 @@ KERNELS = ("auto", "cpu", "triton", "torch")  # auto: the CPU op on CPU, Triton 
 # chunking and of the prefix cache); exact: a prompt's first chunk attends to itself in float,
 # as a float prefill does (kvmix's own cache, KIVI), later chunks as decodes
 PREFILLS = ("decode", "exact")
-FIELDS = ("method", "staging", "kernels", "prefill")
+# group: a group's values are staged as floats with its keys and sealed with them (the method
+# as kvmix runs it); token: each token's values go to its page as it arrives, packed per token
+# (per-token value methods on the CPU op): half the staging, and a token's own group's values
+# are read quantized — a change of what the method computes, measured (docs/design/vllm-plugin)
+VALUES = ("group", "token")
+FIELDS = ("method", "staging", "kernels", "prefill", "values")
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
 
@@ -54,6 +59,12 @@ class Settings:
     dtype: torch.dtype  # the model's
     kernels: str = "auto"
     prefill: str = "decode"  # PREFILLS
+    values: str = "group"  # VALUES
+
+    @property
+    def staged_values(self) -> bool:
+        """Whether the staging holds the open group's values (else its keys only)."""
+        return self.values == "group"
 
     @property
     def group(self) -> int:
@@ -62,7 +73,7 @@ class Settings:
 
 def requested(vllm_config: Any) -> dict[str, Any] | None:
     """The kvmix entry of vLLM's additional config ({"method": ..., "staging": ...,
-    "kernels": ..., "prefill": ...}), or None."""
+    "kernels": ..., "prefill": ..., "values": ...}), or None."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     raw = extra.get(KEY) if isinstance(extra, dict) else None
     if raw is None:
@@ -80,6 +91,8 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
         raise Refused(f"kernels={raw['kernels']!r} is invalid; valid: {', '.join(KERNELS)}")
     if raw.get("prefill", "decode") not in PREFILLS:
         raise Refused(f"prefill={raw['prefill']!r} is invalid; valid: {', '.join(PREFILLS)}")
+    if raw.get("values", "group") not in VALUES:
+        raise Refused(f"values={raw['values']!r} is invalid; valid: {', '.join(VALUES)}")
     return raw
 
 
@@ -105,8 +118,19 @@ def resolve(vllm_config: Any) -> Settings | None:
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
+    values = raw.get("values", "group")
+    if values == "token" and not token_values(method, spec):
+        raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
+                      "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
     return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"),
-                    raw.get("prefill", "decode"))
+                    raw.get("prefill", "decode"), values)
+
+
+def token_values(method: Method, spec: ModelSpec) -> bool:
+    """Whether every layer of ``method`` (bound to ``spec``) stores its values token by token
+    (``Method.token_values``)."""
+    probe = torch.zeros(1, spec.n_kv_heads, 1, spec.head_dim)
+    return all(method.token_values(probe, layer) is not None for layer in range(spec.n_layers))
 
 
 def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> ModelSpec:

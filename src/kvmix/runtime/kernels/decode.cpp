@@ -345,7 +345,8 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
 }
 
 // The step's tokens [1, H, N, D] (`keys`/`values` of the step) into the slot arena [1, H, T, D]
-// at `stage_at` [N] (-1: a token not staged), after every row has read the arena.
+// at `stage_at` [N] (-1: a token not staged), after every row has read the arena (keys only
+// where `step_v` is null: the values live in pages).
 void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64_t N,
            const Tensor& slot_keys, const Tensor& slot_values, int64_t T, int64_t H, int64_t D,
            size_t width) {
@@ -358,7 +359,7 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
       if (at[i] < 0) continue;
       const size_t from = (h * N + i) * bytes, to = (h * T + at[i]) * bytes;
       std::memcpy(keys + to, step_k + from, bytes);
-      std::memcpy(values + to, step_v + from, bytes);
+      if (step_v) std::memcpy(values + to, step_v + from, bytes);
     }
 }
 
@@ -383,7 +384,10 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
 // [N, H, D] the op lays out, which `stage_at` then writes into the arena),
 // and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
 // pages [P, H, G, D] (the `full` method), or packed ones with per-sequence plane indices,
-// multipliers and key offsets [S or 1, H, ...].
+// multipliers and key offsets [S or 1, H, ...]. With `value_pages` [S] (packed pools only) the
+// values of a sequence's two spans are not floats but the first tokens of its page there,
+// packed per token (the vLLM plugin's values="token"; the slots then hold keys only: the slot
+// values are not read, and staging writes keys only).
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
@@ -395,7 +399,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& given_step_values,
                     const std::optional<Tensor>& stage_at,
                     const std::optional<Tensor>& new_keys,
-                    const std::optional<Tensor>& new_values) {
+                    const std::optional<Tensor>& new_values,
+                    const std::optional<Tensor>& value_pages) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -461,12 +466,22 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
               page_values.has_value() && page_values->sizes() == page_keys->sizes(),
           "float pages must be [P, H, G, D] float32 keys and values");
   if (packed) pool = packed_layout(packed_args(planes, token_keys, value_groups), group, H, D, S);
+  const int64_t* own_page = nullptr;
+  if (value_pages.has_value()) {
+    check(packed && value_pages->dim() == 1 && value_pages->size(0) == S,
+          "value_pages must be [S], with packed pages");
+    own_page = data<int64_t>(*value_pages, "value_pages");
+    for (int64_t s = 0; s < S; ++s)
+      check(own_page[s] >= 0 && own_page[s] < (*value_groups)->codes.size(0) &&
+                span[s * 4 + 1] + span[s * 4 + 3] <= group,
+            "value_pages names a page outside the pool, or spans hold more than a group");
+  }
   std::vector<Problem> problems(S);
   for (int64_t s = 0; s < S; ++s) {
     Problem& p = problems[s];
     set_heads(p, query.size(1), H, 1, D, data<float>(query, "query") + s * query.size(1) * D,
               scale);
-    for (int which = 0; which < 2; ++which) {
+    for (int which = 0, first = 0; which < 2; ++which) {
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
       const bool own = step && which == 1;  // in the step's tokens
       const int64_t extent = own ? N : T;
@@ -476,7 +491,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
       if (length)
         p.segments.push_back({(own ? step_k : keys) + at * width,
                               (own ? step_v : values) + at * width, 1, length, false,
-                              extent * D, half});
+                              extent * D, half, own_page ? own_page[s] : -1, first});
+      first += length;
     }
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");
     const int64_t* ids = data<int64_t>(pages, "pages") + s * M;
@@ -493,6 +509,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                               data<float>(*page_values, "page values") + at, 1, tokens[n] - cut,
                               false, group * D});
     }
+    if (own_page) p.packed = pool;  // the page values of its spans (blocks: none yet)
     if (!packed || count[s] == 0) continue;
     for (int64_t n = 0; n < count[s]; ++n)
       check(ids[n] >= 0 && ids[n] < (*value_groups)->codes.size(0) && tokens[n] >= 0 &&
@@ -513,7 +530,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   }
   Tensor out = solve(problems, query.options()).squeeze(2);
   if (stage_at.has_value())
-    stage(*stage_at, step_k, step_v, N, slot_keys, slot_values, T, H, D, width);
+    stage(*stage_at, step_k, own_page ? nullptr : step_v, N, slot_keys, slot_values, T, H, D,
+          width);
   return out;
 }
 
@@ -611,7 +629,7 @@ TORCH_LIBRARY(kvmix, m) {
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
       "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
-      "Tensor? new_keys=None, Tensor? new_values=None) -> Tensor");
+      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {

@@ -13,6 +13,9 @@ struct FloatSegment {  // float keys/values [n, H, t, D]; heads `head_stride` el
   bool causal;  // the new tokens themselves: query i sees token j <= i
   int64_t head_stride;
   bool half = false;
+  // values packed per token instead (the vLLM plugin's values="token"): tokens
+  // [value_first, value_first + tokens) of pool page `value_page` (-1: the float values)
+  int64_t value_page = -1, value_first = 0;
 };
 
 struct Plane {

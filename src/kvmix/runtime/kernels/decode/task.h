@@ -135,10 +135,15 @@ class Task {
   }
 
   void values(const Unit& u, const float* weights, float* acc) {
-    if (u.segment >= 0)
-      float_values(p_->segments[u.segment], u.block, weights, acc);
+    if (u.segment < 0) {
+      packed_values(page(u.block), 0, p_->packed.lengths[u.block], weights, acc, true);
+      return;
+    }
+    const FloatSegment& seg = p_->segments[u.segment];
+    if (seg.value_page >= 0)  // the portable path: the same arithmetic on every CPU
+      packed_values(seg.value_page, seg.value_first, seg.tokens, weights, acc, false);
     else
-      packed_values(u.block, weights, acc);
+      float_values(seg, u.block, weights, acc);
   }
 
   // ---- float segments and float pages (decode/float_pages.h) ----
@@ -155,9 +160,10 @@ class Task {
   // ---- per-token groups: WUSH keys, every layout's values (decode/token_keys.h) ----
 
   void token_scores(int64_t n, float* out);
-  void packed_values(int64_t n, const float* p, float* acc);
+  void packed_values(int64_t at, int64_t first, int64_t T, const float* p, float* acc,
+                     bool ints);
   void add_value_bias(float* acc);
-  void token_stats(const Stats& st, int64_t n, int64_t T, int64_t J);
+  void token_stats(const Stats& st, int64_t at, int64_t first, int64_t T, int64_t J);
 
   // RB rows of K float weights (`ld` apart; `top`: their largest magnitudes, if known)
   // -> hi_, lo_ [RB, padded_] and alpha_.

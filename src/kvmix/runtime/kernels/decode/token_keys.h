@@ -13,7 +13,7 @@ void Task::token_scores(int64_t n, float* out) {
   const int64_t P = p_->padded, D = p_->dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
   const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
   const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
-  token_stats(st, n, T, J);
+  token_stats(st, page(n), 0, T, J);
   for (int64_t r = 0; r < P; ++r) std::fill(out + r * L, out + r * L + T, 0.f);
   float* dots = work_.data();  // [RB, T]
   weights_.resize(RB * gs);
@@ -42,20 +42,22 @@ void Task::token_scores(int64_t n, float* out) {
     }
 }
 
-// acc[r] += Σ_t p[r][t]·(s[t,j]·code + m[t,j]) over the block's tokens, group by group.
-void Task::packed_values(int64_t n, const float* p, float* acc) {
+// acc[r] += Σ_t p[r][t]·(s[t,j]·code + m[t,j]) over tokens [first, first + T) of pool page
+// `at`, group by group (`ints`: through the integer kernel where there is one).
+void Task::packed_values(int64_t at, int64_t first, int64_t T, const float* p, float* acc,
+                         bool ints) {
   const Packed& pk = p_->packed;
   const Stats& st = pk.values;
   const int64_t P = p_->padded, D = p_->dim, G = pk.group, gs = st.group, J = D / gs, L = total_;
-  const int64_t T = pk.lengths[n], stride = row_bytes(gs, st.bits);
-  const uint8_t* rows = st.codes + page(n) * st.block_bytes + h_ * G * J * stride;
-  token_stats(st, n, T, J);
+  const int64_t stride = row_bytes(gs, st.bits);
+  const uint8_t* rows = st.codes + at * st.block_bytes + (h_ * G + first) * J * stride;
+  token_stats(st, at, first, T, J);
   weights_.resize(RB * T);
   value_bias_.resize(P * J * 16);
   for (int64_t j = 0; j < J; ++j)
     for (int64_t r0 = 0; r0 < P; r0 += RB) {
       const float* scale = &scale_[j * T];
-      if (pk.value_ints) {  // the integer path: weights, bias and largest weights in one pass
+      if (ints && pk.value_ints) {  // the integer path: weights, bias and largest weights at once
         float top[RB];
         value_weights(p + r0 * L, L, scale, &base_[j * T], T, weights_.data(),
                       &value_bias_[(r0 * J + j) * 16], J * 16, top);
@@ -103,10 +105,10 @@ void Task::add_value_bias(float* acc) {
     }
 }
 
-// Per-token statistics of one block as floats, group-major [J, T]: scale, and min (or the
-// symmetric levels' offset).
-void Task::token_stats(const Stats& st, int64_t n, int64_t T, int64_t J) {
-  const int64_t stat0 = (page(n) * p_->kv_heads + h_) * p_->packed.group * J;
+// Per-token statistics of tokens [first, first + T) of pool page `at` as floats, group-major
+// [J, T]: scale, and min (or the symmetric levels' offset).
+void Task::token_stats(const Stats& st, int64_t at, int64_t first, int64_t T, int64_t J) {
+  const int64_t stat0 = ((at * p_->kv_heads + h_) * p_->packed.group + first) * J;
   const float symmetric = -(float(1 << (st.bits - 1)) - 0.5f);
   stats_.resize(2 * T * J);
   halves(st.scale + stat0, T * J, stats_.data());
