@@ -27,6 +27,18 @@ def test_a_vllm_row_names_a_kvmix_method_or_vllms_own_cache():
         vllm_server.parse("vllm:kivi9")
 
 
+def test_a_vllm_row_names_the_plugins_settings_after_its_method():
+    setting = "vllm:kxvy:key_bits=4,value_bits=2@values=token,staging=float32"
+    assert vllm_server.parse(setting) == "kxvy:key_bits=4,value_bits=2"
+    assert vllm_server.plugin_settings(setting) == {"values": "token", "staging": "float32"}
+    assert vllm_server.plugin_settings("vllm:kivi2") == {}
+    with pytest.raises(ValueError, match=r"values='tokens' after '@' .* valid: .*values: group, "
+                                         r"token"):
+        vllm_server.parse("vllm:kivi2@values=tokens")
+    with pytest.raises(ValueError, match="not vLLM's own fp8 cache's"):
+        vllm_server.parse("vllm:fp8@values=token")
+
+
 def test_loadtest_refuses_a_bad_vllm_row_before_any_server_starts(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["loadtest", "--methods", "kivi2", "--baselines", "vllm:kivi9", "--requests", "1"])
@@ -65,6 +77,11 @@ def test_a_kvmix_row_gives_vllms_pages_the_budget_less_the_plugins_staging(tmp_p
         assert server.staging == 24 * one
         assert command[command.index("--kv-cache-memory-bytes") + 1] == str(memory - 24 * one)
         assert command[command.index("--max-num-seqs") + 1] == "24"
+        # values="token": keys alone staged, the setting passed to the plugin
+        assert vllm_server.staging_bytes(folder, "vllm:kivi2@values=token", 1) == one // 2
+        token = vllm_server.VllmServer("python", folder, "vllm:kivi2@values=token", memory, 256,
+                                       tmp_path / "log", sequences=24).command(0)
+        assert '"values": "token"' in token[token.index("--additional-config") + 1]
         with pytest.raises(vllm_server.VllmMissing, match="staging for 24 sequences"):
             vllm_server.VllmServer("python", folder, "vllm:kivi2", 24 * one, 256,
                                    tmp_path / "log", sequences=24)

@@ -36,7 +36,8 @@ def test_full_is_vllms_own_attention_token_for_token(tiny_folder):
 @pytest.fixture(scope="module", params=[
     {"method": "kivi2", "staging": "float32"},  # group 32, a block per group
     {"method": "pnmix1:group=64"},  # float16 staging, two groups a block
-], ids=lambda p: p["method"])
+    {"method": "kivi2", "values": "token"},  # values to their pages as they come
+], ids=["kivi2", "pnmix1:group=64", "kivi2@values=token"])
 def small(request, tiny_folder):
     """An engine whose cache holds 24 blocks: six requests of 160 tokens outgrow it."""
     block = 32 if request.param["method"] == "kivi2" else 128

@@ -177,3 +177,18 @@ def test_a_layer_whose_heads_differ_from_the_ranks_is_refused(tiny_folder):
     config = _config(tiny_folder, block_size=32, additional_config=KIVI)
     with pytest.raises(Refused, match="1 KV heads in this layer"):
         _layer(config, num_kv_heads=1)
+
+
+@pytest.mark.parametrize("asked, named", [
+    ({"method": "kivi2", "values": "tokens"}, "values='tokens' is invalid; valid: group, token"),
+    ({"method": "full", "values": "token"}, "values='token' cannot be honoured for 'full'"),
+    ({"method": "kivi2", "values": "token", "kernels": "torch"},
+     "values='token' here: .* CPU op only"),
+])
+def test_values_by_token_the_plugin_cannot_honour_are_refused_at_start_up(tiny_folder, asked,
+                                                                          named):
+    from kvmix.vllm.settings import Refused
+
+    config = _config(tiny_folder, block_size=32, additional_config={"kvmix": asked})
+    with pytest.raises(Refused, match=named):
+        _layer(config)

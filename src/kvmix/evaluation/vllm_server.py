@@ -2,7 +2,8 @@
 ``kvmix serve --engine vllm``, started by one class with one command line. vLLM's CPU engine
 runs in an environment of its own (``make vllm``), on the same model and the same cache budget
 (``--kv-cache-memory-bytes``, the plugin's staging counted). ``vllm:METHOD`` runs a kvmix method
-through kvmix's plugin (vLLM sizes its pages by the method's bits); ``vllm:auto`` and
+through kvmix's plugin (vLLM sizes its pages by the method's bits), with the plugin's other
+settings after an ``@`` (``vllm:pnmix1@values=token``); ``vllm:auto`` and
 ``vllm:fp8`` are vLLM's own caches (the model's float32, and fp8 where the CPU has AVX-512).
 ``reported_tokens`` is the cache size vLLM logs at start; a server that does not come up (a
 method the plugin refuses, fp8 on a CPU without AVX-512) is reported in its row with the end of
@@ -24,6 +25,7 @@ from typing import NoReturn
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
+PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.FIELDS)
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 INSTALL = ("in a clone of kvmix `make vllm` builds it (.venv-vllm); elsewhere install it in an "
@@ -82,9 +84,13 @@ def parse(setting: str) -> str:
     string or vLLM's cache dtype; ValueError naming what is valid (before any server starts)."""
     from kvmix.methods import parse_method
 
-    name = setting.removeprefix(PREFIX)
+    name = setting.removeprefix(PREFIX).partition(PLUGIN)[0]
     if name in OWN:
+        if PLUGIN in setting:
+            raise ValueError(f"method={setting!r} is invalid: settings after {PLUGIN!r} are "
+                             f"kvmix's plugin's, not vLLM's own {name} cache's")
         return name
+    plugin_settings(setting)
     try:
         parse_method(name)
     except ValueError as error:
@@ -95,11 +101,30 @@ def parse(setting: str) -> str:
     return name
 
 
+def plugin_settings(setting: str) -> dict[str, str]:
+    """The plugin's settings a row names after its method (``vllm:pnmix1@values=token`` ->
+    {"values": "token"}); ValueError naming the valid ones."""
+    _, at, rest = setting.partition(PLUGIN)
+    if not at:
+        return {}
+    from kvmix.vllm import settings as plugin
+
+    valid = {"staging": tuple(plugin.STAGING), "kernels": plugin.KERNELS,
+             "prefill": plugin.PREFILLS, "values": plugin.VALUES}
+    pairs = dict(item.partition("=")[::2] for item in rest.split(","))
+    for key, value in pairs.items():
+        if value not in valid.get(key, ()):
+            choices = "; ".join(f"{k}: {', '.join(v)}" for k, v in valid.items())
+            raise ValueError(f"{key}={value!r} after {PLUGIN!r} in {setting!r} is invalid; "
+                             f"valid: {choices}")
+    return pairs
+
+
 def staging_bytes(model: str, setting: str, sequences: int) -> int:
     """What kvmix's plugin stages beside vLLM's KV cache for ``setting`` on the float32 model
     folder ``model``, with ``sequences`` running at most (0 for vLLM's own caches): the open
-    group of every sequence in every layer, in the plugin's default staging dtype (the formula
-    the plugin logs, ``runtime.accounting.open_groups_bytes``)."""
+    group of every sequence in every layer, in the plugin's staging dtype (the formula the
+    plugin logs, ``runtime.accounting.open_groups_bytes``)."""
     name = parse(setting)
     if name in OWN:
         return 0
@@ -109,6 +134,7 @@ def staging_bytes(model: str, setting: str, sequences: int) -> int:
     from kvmix.models.loading import config_rope_pairs, load_config
     from kvmix.runtime.accounting import open_groups_bytes
     from kvmix.runtime.cache import model_spec
+    from kvmix.vllm.settings import STAGING
 
     config, _ = load_config(model)
     method = parse_method(name)
@@ -117,7 +143,11 @@ def staging_bytes(model: str, setting: str, sequences: int) -> int:
         method.bind(spec)
     except ValueError as error:
         raise VllmMissing(f"{setting} on {model}: {error}") from None
-    return open_groups_bytes(method, spec, method.slot_dtype(torch.float32), sequences)
+    asked = plugin_settings(setting)
+    staging = (STAGING[asked["staging"]] or torch.float32) if "staging" in asked else \
+        method.slot_dtype(torch.float32)
+    return open_groups_bytes(method, spec, staging, sequences,
+                             asked.get("values", "group") == "group")
 
 
 class VllmServer(LocalServer):
@@ -147,6 +177,7 @@ class VllmServer(LocalServer):
                  extra: tuple[str, ...] | list[str] = (), host: str = "127.0.0.1"):
         super().__init__(log)
         self.python, self.model, self.setting = python, model, parse(setting)
+        self.plugin = plugin_settings(setting)  # the plugin's other settings
         self.sequences, self.max_model_len, self.extra = sequences, max_model_len, list(extra)
         self.host = host
         self.staging = staging_bytes(model, setting, sequences)
@@ -165,7 +196,8 @@ class VllmServer(LocalServer):
 
     def command(self, port: int) -> list[str]:
         cache = ["--kv-cache-dtype", self.setting] if self.setting in OWN else [
-            "--additional-config", json.dumps({"kvmix": {"method": self.setting}})]
+            "--additional-config", json.dumps({"kvmix": {"method": self.setting,
+                                                         **self.plugin}})]
         length = [] if self.max_model_len is None else ["--max-model-len",
                                                          str(self.max_model_len)]
         return [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,

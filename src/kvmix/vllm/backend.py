@@ -242,7 +242,9 @@ def startup_line(config: VllmConfig, settings: Settings, spec: AttentionSpec,
             f"{settings.spec.n_kv_heads} KV heads a rank) in vLLM's cache: "
             f"{page_bytes(settings, settings.dtype)} bytes a page of {settings.group} tokens, "
             f"{held}; float staging ({str(settings.staging).removeprefix('torch.')}) of each "
-            f"running sequence's open group: {slots} sequences, "
+            f"running sequence's open group"
+            f"{'' if settings.staged_values else ' (keys; values to pages as they come)'}: "
+            f"{slots} sequences, "
             f"{staging_nbytes(settings, slots) / 2**20:.1f} MiB; kernels: {chosen}")
 
 
