@@ -29,6 +29,8 @@ def test_methods_lists_every_method_and_preset(capsys):
      "vllm_python='/no/python' does not exist: build the vLLM environment with `make vllm`"),
     (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
       "kivi2:sink=4"], "--engine vllm sets sink itself"),
+    (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
+      "kivi2@values=tokens"], "values='tokens' is invalid; valid: group, token"),
     (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
     (["bench", "--prompt-tokens", "1024,x"],
      "prompt_tokens='1024,x' is invalid; expected comma-separated int"),
@@ -47,6 +49,9 @@ def test_compare_rejects_bad_input_before_loading_the_model(argv, message, capsy
 def test_method_lists_keep_overrides_with_their_method():
     assert split_methods("full,kivi2,kxvy:key_bits=4,value_bits=2,kxvy:key_bits=2") == [
         "full", "kivi2", "kxvy:key_bits=4,value_bits=2", "kxvy:key_bits=2"]
+    assert split_methods("vllm:auto,vllm:pnmix1@values=token,staging=float32,kivi2@values=token"
+                         ) == ["vllm:auto", "vllm:pnmix1@values=token,staging=float32",
+                               "kivi2@values=token"]
 
 
 def test_builtin_texts_are_long_and_distinct():

@@ -32,8 +32,7 @@ def test_a_vllm_row_names_the_plugins_settings_after_its_method():
     assert vllm_server.parse(setting) == "kxvy:key_bits=4,value_bits=2"
     assert vllm_server.plugin_settings(setting) == {"values": "token", "staging": "float32"}
     assert vllm_server.plugin_settings("vllm:kivi2") == {}
-    with pytest.raises(ValueError, match=r"values='tokens' after '@' .* valid: .*values: group, "
-                                         r"token"):
+    with pytest.raises(ValueError, match="values='tokens' is invalid; valid: group, token"):
         vllm_server.parse("vllm:kivi2@values=tokens")
     with pytest.raises(ValueError, match="not vLLM's own fp8 cache's"):
         vllm_server.parse("vllm:fp8@values=token")

@@ -71,10 +71,13 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
     check_lengths(config.context, config.eval_tokens, config.chunk)
     check_inputs(config)
     check_grid(config)
-    for method in config.methods:
-        parse_method(method)  # bad method strings fail before loading
     if config.engine not in ENGINES:
         raise ValueError(f"engine={config.engine!r} is invalid; valid: {', '.join(ENGINES)}")
+    for method in config.methods:  # bad method strings fail before loading
+        if config.engine == "vllm":
+            through_vllm.check_setting(method)
+        else:
+            parse_method(method)
     if config.vllm_prefill not in VLLM_PREFILLS:
         raise ValueError(f"vllm_prefill={config.vllm_prefill!r} is invalid; valid: "
                          f"{', '.join(VLLM_PREFILLS)}")
@@ -145,8 +148,8 @@ def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dic
     through_vllm.check_python(config.vllm_python)
     methods = list(dict.fromkeys(["full", *map(through_vllm.vllm_layout, config.methods)]))
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    own = {m: score(loaded.model, ids, m, config.context, config.chunk, backend=config.backend)
-           for m in methods}
+    own = {m: score(loaded.model, ids, through_vllm.own_method(m), config.context, config.chunk,
+                    backend=config.backend) for m in methods}
     console.print(f"scoring {len(methods)} methods through vLLM ({config.vllm_python})")
     engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods,
                                 config.vllm_prefill)
@@ -158,7 +161,8 @@ def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dic
 
 def _vllm_row(method: str, scored: Scored, full: Scored, engine: dict, engine_full: dict
               ) -> dict:
-    row = {"method": method, "resolved": repr(parse_method(method)), **summary(scored, full),
+    row = {"method": method, "resolved": repr(parse_method(through_vllm.own_method(method))),
+           **summary(scored, full),
            "vllm_ppl": engine["ppl"], "vllm_delta_ppl": engine["ppl"] - engine_full["ppl"],
            "vllm_seconds": engine["seconds"], "vllm_block_size": engine["block_size"]}
     if method != "full":

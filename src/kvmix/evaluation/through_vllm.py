@@ -23,18 +23,34 @@ from kvmix.models.loading import LoadedModel, fingerprint, save_float
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
 
-def vllm_layout(method: str) -> str:
-    """``method`` with the layout it has inside vLLM (no sink, the open group as residual):
-    what kvmix's own path scores beside it; ``full`` stays ``full``."""
+def vllm_layout(setting: str) -> str:
+    """``setting`` (a method, and the plugin's settings after an ``@``: ``pnmix1@values=token``)
+    with the layout the method has inside vLLM (no sink, the open group as residual): what
+    kvmix's own path scores beside it (``own_method``); ``full`` stays ``full``."""
+    method, at, plugin = setting.partition("@")
     if method == "full":
-        return method
+        return setting
     parsed = parse_method(method)
     asked = {k.split("=")[0].strip() for k in method.partition(":")[2].split(",") if "=" in k}
     clash = sorted(asked & {"sink", "residual"})
     if clash:
         raise ValueError(f"--engine vllm sets {', '.join(clash)} itself (sink=0, residual=group):"
                          f" remove {', '.join(clash)} from {method!r}")
-    return f"{method}{',' if ':' in method else ':'}sink=0,residual={parsed.group}"
+    return f"{method}{',' if ':' in method else ':'}sink=0,residual={parsed.group}{at}{plugin}"
+
+
+def check_setting(setting: str) -> None:
+    """A method (with the plugin's settings after an ``@``) scored through vLLM: ValueError
+    naming what is invalid."""
+    from kvmix.vllm.settings import split
+
+    parse_method(split(setting)[0])
+
+
+def own_method(setting: str) -> str:
+    """The method of a setting scored through vLLM, as kvmix's own path runs it (the plugin's
+    settings after ``@`` are vLLM's alone)."""
+    return setting.partition("@")[0]
 
 
 def check_python(python: str) -> None:

@@ -25,7 +25,7 @@ from typing import NoReturn
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
-PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.FIELDS)
+PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.split)
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 INSTALL = ("in a clone of kvmix `make vllm` builds it (.venv-vllm); elsewhere install it in an "
@@ -104,20 +104,9 @@ def parse(setting: str) -> str:
 def plugin_settings(setting: str) -> dict[str, str]:
     """The plugin's settings a row names after its method (``vllm:pnmix1@values=token`` ->
     {"values": "token"}); ValueError naming the valid ones."""
-    _, at, rest = setting.partition(PLUGIN)
-    if not at:
-        return {}
-    from kvmix.vllm import settings as plugin
+    from kvmix.vllm.settings import split
 
-    valid = {"staging": tuple(plugin.STAGING), "kernels": plugin.KERNELS,
-             "prefill": plugin.PREFILLS, "values": plugin.VALUES}
-    pairs = dict(item.partition("=")[::2] for item in rest.split(","))
-    for key, value in pairs.items():
-        if value not in valid.get(key, ()):
-            choices = "; ".join(f"{k}: {', '.join(v)}" for k, v in valid.items())
-            raise ValueError(f"{key}={value!r} after {PLUGIN!r} in {setting!r} is invalid; "
-                             f"valid: {choices}")
-    return pairs
+    return split(setting.removeprefix(PREFIX))[1]
 
 
 def staging_bytes(model: str, setting: str, sequences: int) -> int:

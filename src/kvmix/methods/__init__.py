@@ -62,10 +62,12 @@ def parse_method(text: str | Method) -> Method:
 
 
 def split_methods(text: str) -> list[str]:
-    """Split a comma-separated method list; ``a=b`` pieces belong to the method before them."""
+    """Split a comma-separated method list; ``a=b`` pieces belong to the method before them
+    (its overrides, or the vLLM plugin's settings after an ``@``: ``kivi2@values=token``)."""
     out: list[str] = []
     for piece in filter(None, (p.strip() for p in text.split(","))):
-        if "=" in piece and ":" not in piece and out:
+        key = piece.partition("=")[0]
+        if "=" in piece and ":" not in key and "@" not in key and out:
             out[-1] += "," + piece
         else:
             out.append(piece)

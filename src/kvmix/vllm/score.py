@@ -2,7 +2,8 @@
 environment, for ``kvmix compare --engine vllm``.
 
 The request names a model folder, the token ids [n], the context, the methods (``full``:
-vLLM as shipped) and the plugin's prefill (``exact`` or ``decode``, see
+vLLM as shipped; a method may carry the plugin's other settings, ``pnmix1@values=token``) and
+the plugin's prefill (``exact`` or ``decode``, see
 ``kvmix.vllm.settings``). Each method runs in an engine of its own (one after the other, in
 this process) with chunked prefill over the packed cache; vLLM's ``prompt_logprobs`` give the
 log-probability of every token after ``context + 1``, the tokens kvmix's own scoring scores.
@@ -47,12 +48,16 @@ def cache_bytes(model: str, tokens: int) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4 * tokens + 2**24
 
 
-def score(model: str, ids: list[int], context: int, method: str, prefill: str
+def score(model: str, ids: list[int], context: int, setting: str, prefill: str
           ) -> dict[str, Any]:
+    """``setting``: a method, and the plugin's other settings after an ``@``."""
     from vllm import LLM, SamplingParams
 
+    from kvmix.vllm.settings import split
+
+    method, plugin = split(setting)
     extra = {} if method == "full" else {
-        "additional_config": {"kvmix": {"method": method, "prefill": prefill}}}
+        "additional_config": {"kvmix": {"method": method, "prefill": prefill, **plugin}}}
     llm = LLM(model, dtype="float32", enforce_eager=True, max_model_len=len(ids) + 1,
               skip_tokenizer_init=True, max_num_seqs=1, enable_prefix_caching=False,
               max_num_batched_tokens=context if prefill == "exact" else CHUNK,

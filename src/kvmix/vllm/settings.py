@@ -38,6 +38,7 @@ PREFILLS = ("decode", "exact")
 # are read quantized — a change of what the method computes, measured (docs/design/vllm-plugin)
 VALUES = ("group", "token")
 FIELDS = ("method", "staging", "kernels", "prefill", "values")
+AT = "@"  # METHOD@values=token: a method string followed by the plugin's other settings
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
 
@@ -84,16 +85,30 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
         raise Refused(f'--additional-config {{"{KEY}": ...}} must be a method string or '
                       f'{{"method": "...", "staging": "float16", "kernels": "auto"}}; '
                       f'got {raw!r}')
+    return checked(raw)
+
+
+def checked(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` settings, or ``Refused`` naming an unknown one or an invalid value (the staging
+    dtype is checked as it resolves)."""
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
-    if raw.get("kernels", "auto") not in KERNELS:
-        raise Refused(f"kernels={raw['kernels']!r} is invalid; valid: {', '.join(KERNELS)}")
-    if raw.get("prefill", "decode") not in PREFILLS:
-        raise Refused(f"prefill={raw['prefill']!r} is invalid; valid: {', '.join(PREFILLS)}")
-    if raw.get("values", "group") not in VALUES:
-        raise Refused(f"values={raw['values']!r} is invalid; valid: {', '.join(VALUES)}")
+    for name, valid, default in (("kernels", KERNELS, "auto"), ("prefill", PREFILLS, "decode"),
+                                 ("values", VALUES, "group"), ("staging", STAGING, "auto")):
+        if raw.get(name, default) not in valid:
+            raise Refused(f"{name}={raw[name]!r} is invalid; valid: {', '.join(valid)}")
     return raw
+
+
+def split(text: str) -> tuple[str, dict[str, str]]:
+    """``METHOD@KEY=VALUE,...`` (a row of ``kvmix loadtest`` or ``compare --engine vllm``) ->
+    the method string and the plugin's other settings (``Refused`` naming an invalid one)."""
+    method, _, rest = text.partition(AT)
+    pairs = dict(item.partition("=")[::2] for item in rest.split(",")) if rest else {}
+    if "method" in pairs:
+        raise Refused(f"{text!r} names its method before {AT!r}, not as a setting after it")
+    return method, checked(pairs)
 
 
 def resolve(vllm_config: Any) -> Settings | None:
