@@ -11,7 +11,8 @@ running (the budget holds them all), the engine core in this process. Per decode
 * vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
 
 In the vLLM environment, for each setting (``fp8`` and ``auto`` are vLLM's own caches; the
-first is the baseline of the ratios), one engine a process, settings in turn:
+first is the baseline of the ratios; a method may carry the plugin's other settings after an
+``@``: ``pnmix1@values=token``), one engine a process, settings in turn:
 
     .venv-vllm/bin/python scripts/vllm_step_profile.py MODEL_DIR fp8 kivi2 pnmix1:group=32 \
         [--out DIR]
@@ -109,8 +110,13 @@ def profile(model: str, setting: str) -> dict[str, float]:
 
     clock = Clock()
     instrument(clock, setting)
-    cache = {"kv_cache_dtype": setting} if setting in ("auto", "fp8") else {
-        "additional_config": {"kvmix": {"method": setting}}}
+    if setting in ("auto", "fp8"):
+        cache = {"kv_cache_dtype": setting}
+    else:  # a method, and the plugin's other settings after an @ (pnmix1@values=token)
+        from kvmix.vllm.settings import split
+
+        method, plugin = split(setting)
+        cache = {"additional_config": {"kvmix": {"method": method, **plugin}}}
     llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
               max_model_len=PROMPT + TOKENS + 1, max_num_seqs=ROWS, seed=0,
               # every row's tokens in float32 on the default model (30 layers, 3 KV heads of 64)

@@ -399,14 +399,15 @@ def test_a_reclaimed_open_group_is_never_read():
         step([0, 1], [3, 3], [1, 1])  # one of the first two lost its staged tokens
 
 
-def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were():
+@pytest.mark.parametrize("values", ["group", "token"])
+def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were(values):
     """vLLM's warm-up and graph-capture runs (Model Runner V2's dummy batches: every row's
     table on the null block 0, no context, unpadded counts): the builder plans nothing."""
     from types import SimpleNamespace
 
     from kvmix.vllm.backend import NULL_BLOCK, KvmixMetadataBuilder
 
-    run = Run(settings_for("pnmix1"), schedule=SCHEDULE[:3]).run()
+    run = Run(settings_for("pnmix1", values=values), schedule=SCHEDULE[:3]).run()
     builder = KvmixMetadataBuilder.__new__(KvmixMetadataBuilder)
     builder.settings, builder.block_size, builder.staging = run.settings, BLOCK, run.staging
     builder.fused, builder.device = True, torch.device("cpu")

@@ -148,8 +148,10 @@ def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dic
     through_vllm.check_python(config.vllm_python)
     methods = list(dict.fromkeys(["full", *map(through_vllm.vllm_layout, config.methods)]))
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
-    own = {m: score(loaded.model, ids, through_vllm.own_method(m), config.context, config.chunk,
-                    backend=config.backend) for m in methods}
+    scored = {name: score(loaded.model, ids, name, config.context, config.chunk,
+                          backend=config.backend)
+              for name in dict.fromkeys(map(through_vllm.own_method, methods))}
+    own = {m: scored[through_vllm.own_method(m)] for m in methods}  # kvmix's own path
     console.print(f"scoring {len(methods)} methods through vLLM ({config.vllm_python})")
     engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods,
                                 config.vllm_prefill)

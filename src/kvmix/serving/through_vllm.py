@@ -104,9 +104,10 @@ def describe(server: VllmServer, found: Found, config: ServeConfig) -> str:
     if server.setting in OWN:
         cache = f"vLLM's own {server.setting} cache in {server.memory / mib:.1f} MiB"
     else:
-        cache = (f"{server.setting} through kvmix's plugin: {server.memory / mib:.1f} MiB of "
-                 f"pages + {server.staging / mib:.1f} MiB of staging for "
-                 f"{server.sequences} sequences")
+        settings = "".join(f", {key}={value}" for key, value in server.plugin.items())
+        cache = (f"{server.setting}{settings} through kvmix's plugin: "
+                 f"{server.memory / mib:.1f} MiB of pages + {server.staging / mib:.1f} MiB of "
+                 f"staging for {server.sequences} sequences")
     return f"kvmix serve --engine vllm · {found} · {config.model} · {cache}"
 
 

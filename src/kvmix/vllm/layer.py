@@ -125,7 +125,7 @@ class LayerCache:
         schedules it."""
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
-        if not self.staged_values:
+        if not self.staged_values and plan.tokens:  # (a dummy batch plans no tokens)
             self._put_values(plan, value)
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if self._op_stages(plan) and not plan.sealed:  # one op call: no token laid out here
