@@ -258,12 +258,15 @@ def test_triton_splits_of_a_rows_pages_merge_to_the_reference_path(monkeypatch):
         assert_near(a, b, op_tolerance(fused.method, gpu))
 
 
-@pytest.mark.parametrize("name", ["kivi2", "kxvy:rotate=keys"])
-def test_an_exact_prefill_attends_a_prompts_first_chunk_in_float(name):
+@pytest.mark.parametrize("name, values", [("kivi2", "group"), ("kxvy:rotate=keys", "group"),
+                                          ("kivi2", "token")])
+def test_an_exact_prefill_attends_a_prompts_first_chunk_in_float(name, values):
     """prefill="exact": each prompt's first chunk is a float prefill (causal attention over its
     own tokens, in the method's key frame), every later token attends as it does by default,
-    and the pages hold the same codes."""
-    exact, decodes = (Run(settings_for(name, prefill=p)).run() for p in ("exact", "decode"))
+    and the pages hold the same codes (with values="token", those of a step of float prefills
+    alone put by the layer, not the op)."""
+    exact, decodes = (Run(settings_for(name, prefill=p, values=values)).run()
+                      for p in ("exact", "decode"))
     method, differs = exact.method, False
     for s in range(SEQUENCES):
         n = next(step[s] for step in SCHEDULE if step[s])  # the first chunk's tokens

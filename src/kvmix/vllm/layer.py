@@ -19,9 +19,9 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
 3. stage — the new tokens of groups still open written to their staging slots (by the CPU
    op, once every row has read them, where no reference-path chunk reads the staging later).
 
-With ``values="token"`` the staging holds keys only: before the step's work each new token's
-values are encoded on their own (``Method.token_values``) into their group's page, where the
-CPU op reads a row's own group's values; a seal then encodes keys only.
+With ``values="token"`` the staging holds keys only: each new token's values are encoded on
+their own (``Method.token_values``, by the CPU op before it attends) into their group's page,
+where the op reads a row's own group's values; a seal encodes keys only.
 """
 
 from __future__ import annotations
@@ -125,8 +125,6 @@ class LayerCache:
         schedules it."""
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
-        if not self.staged_values and plan.tokens:  # (a dummy batch plans no tokens)
-            self._put_values(plan, value)
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
         if self._op_stages(plan) and not plan.sealed:  # one op call: no token laid out here
             self._decode(plan, query, None, (key, value), scale, output)
@@ -135,8 +133,11 @@ class LayerCache:
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         if plan.sealed:
             self._seal(plan, query, kv, sums)
-        if plan.decode_tokens.numel():
-            self._decode(plan, query, kv, new, scale, output)
+        if plan.decode_tokens.numel():  # with values="token", the op puts the values first
+            self._decode(plan, query, kv, new if self.staged_values else (key, value), scale,
+                         output)
+        elif not self.staged_values and plan.tokens:  # no op call (nor a dummy batch's step)
+            self._put_values(plan, value)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
         if not self._op_stages(plan):
@@ -211,8 +212,8 @@ class LayerCache:
             return (*self._context(plan, kv).float(), plan.spans, {})
         if self._op_stages(plan):
             tokens["stage_at"] = plan.stage_at
-        if not self.staged_values:  # the op reads values from the rows' own pages
-            tokens["value_pages"] = plan.own_pages
+        if not self.staged_values:  # the op puts the values into pages and reads them there
+            tokens.update(value_pages=plan.own_pages, value_at=plan.value_at)
             return self.staged.keys, self.staged.keys, plan.inplace_spans, tokens
         return self.staged.keys, self.staged.values, plan.inplace_spans, tokens
 
@@ -346,7 +347,8 @@ class LayerCache:
 
     def _put_values(self, plan: StepPlan, value: torch.Tensor) -> None:
         """value [N, H, D] of the step's tokens, as the staging would round them, encoded
-        token by token into their groups' pages (``values="token"``)."""
+        token by token into their groups' pages (``values="token"``, in a step with no op
+        call: the op does it in the others)."""
         N, H, _ = value.shape
         rounded = value.to(self.staged.dtype).to(self.dtype).unsqueeze(2)  # [N, H, 1, D]
         with fused_encoding(self.kernels):
@@ -355,7 +357,7 @@ class LayerCache:
         for (_, target), (_, source) in zip(tagged_tensors(self.pages.blocks.values, ""),
                                             tagged_tensors(encoded, ""), strict=True):
             # per page [H, G, ...] <- per token [H, 1, ...]: codes and statistics alike
-            target.view(P, H, G, -1)[plan.token_pages, :, plan.token_offsets] = \
+            target.view(P, H, G, -1)[plan.value_at // G, :, plan.value_at % G] = \
                 source.view(N, H, -1).to(target.dtype)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,

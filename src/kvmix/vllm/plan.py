@@ -129,8 +129,8 @@ class StepPlan:
     4]): the staged tokens of the row's group in the staging (start, count), then its group's
     new tokens up to it in the step's tokens (start, count).
     With ``values="token"`` each new token's values go straight into its group's page: token
-    ``i`` of the step at offset ``token_offsets[i]`` of page ``token_pages[i]``, and a kernel
-    row reads its own group's values from its page ``own_pages`` [Rd].
+    ``i`` of the step at pool position ``value_at[i]`` (page · G + offset), and a kernel row
+    reads its own group's values from its page ``own_pages`` [Rd].
     ``tokens``: the step's N; ``every_token``: the kernel rows are the step's tokens in order
     (a decode-only step, or fused chunks only);
     ``all_staged``: every token of the step stays staged; ``selects``: some first group is
@@ -153,8 +153,7 @@ class StepPlan:
     sum_tokens: torch.Tensor
     sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
     carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
-    token_pages: torch.Tensor  # [N] each new token's page (its group's)
-    token_offsets: torch.Tensor  # [N] its offset in the group
+    value_at: torch.Tensor  # [N] each new token's place in the pool (its group's page · G + offset)
     decode_tokens: torch.Tensor
     own_pages: torch.Tensor  # [Rd] each kernel row's own group's page
     float_slots: torch.Tensor
@@ -316,8 +315,7 @@ def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
         sum_tokens=upload(np.flatnonzero(first_group)),
         sum_sealed=upload(sealing[first_group], torch.bool),
         carry_sums=upload(carry_sums[entry_first]),
-        token_pages=upload(page(token_row, token_g)),
-        token_offsets=upload(offset),
+        value_at=upload(page(token_row, token_g) * G + offset),
         decode_tokens=upload(rows_of["decode_tokens"]),
         own_pages=upload(page(rows_of["row"], rows_of["group"])),
         float_slots=upload(rows_of["float_slots"]),

@@ -363,6 +363,38 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
     }
 }
 
+std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64_t dim,
+                                            bool center, bool packed);
+
+// The step's new values as staged (`laid` [1, H, N, D] in the slots' dtype), widened to `dtype`
+// (the model's) and quantized token by token as the pool's value groups `g` hold them (per
+// token, groups of g.group channels, min-max: kvmix::quantize, as Method.token_values encodes
+// them), into pool position `value_at` [N] (page · G + offset; -1: none).
+void put_values(const Tensor& laid, at::ScalarType dtype, const Tensor& value_at,
+                const TokenGroups& g, int64_t G) {
+  const int64_t H = laid.size(1), N = laid.size(2), D = laid.size(3), J = D / g.group;
+  const int64_t rb = row_bytes(g.group, int(g.bits)), page_bytes = g.codes.size(1);
+  const Tensor x = laid.select(0, 0).transpose(0, 1).to(dtype).reshape({N, H * J, g.group});
+  const auto [codes, scale, minimum] = quantize(x, g.bits, -1, false, true);  // [N, H·J·rb]
+  const int64_t* at = value_at.data_ptr<int64_t>();  // checked before the call's work
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const at::Half* s = scale.data_ptr<at::Half>();
+  const at::Half* m = minimum.data_ptr<at::Half>();
+  uint8_t* pool = g.codes.data_ptr<uint8_t>();
+  at::Half* pool_scale = g.scale.data_ptr<at::Half>();
+  at::Half* pool_min = g.minimum->data_ptr<at::Half>();
+  for (int64_t i = 0; i < N; ++i) {
+    if (at[i] < 0) continue;
+    const int64_t page = at[i] / G, t = at[i] % G;
+    for (int64_t h = 0; h < H; ++h) {  // the page's rows (h, t, j) <- the token's (h, j)
+      const int64_t row = h * G + t, from = i * H + h;
+      std::memcpy(pool + page * page_bytes + row * J * rb, c + from * J * rb, J * rb);
+      std::memcpy(pool_scale + (page * H * G + row) * J, s + from * J, J * sizeof(at::Half));
+      std::memcpy(pool_min + (page * H * G + row) * J, m + from * J, J * sizeof(at::Half));
+    }
+  }
+}
+
 // The step's new keys and values [N, H, D] (any float dtype and strides) -> [2, 1, H, N, D] in
 // the slots' dtype (`options`), rounded by torch's own copy, as the plugin would lay them out.
 Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
@@ -387,7 +419,9 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
 // multipliers and key offsets [S or 1, H, ...]. With `value_pages` [S] (packed pools only) the
 // values of a sequence's two spans are not floats but the first tokens of its page there,
 // packed per token (the vLLM plugin's values="token"; the slots then hold keys only: the slot
-// values are not read, and staging writes keys only).
+// values are not read, and staging writes keys only), and with `value_at` [N] the op first
+// writes the new tokens' values there, quantized per token (`put_values`; new keys and values
+// given).
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
@@ -400,7 +434,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& stage_at,
                     const std::optional<Tensor>& new_keys,
                     const std::optional<Tensor>& new_values,
-                    const std::optional<Tensor>& value_pages) {
+                    const std::optional<Tensor>& value_pages,
+                    const std::optional<Tensor>& value_at) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -453,6 +488,19 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     const int64_t* at = data<int64_t>(*stage_at, "stage_at");
     for (int64_t i = 0; i < N; ++i)
       check(at[i] >= -1 && at[i] < T, "stage_at names a position outside the slots");
+  }
+  if (value_at.has_value()) {
+    const TokenGroups* g = value_groups ? value_groups->get() : nullptr;
+    check(new_keys && value_pages && g && g->minimum.has_value() && g->codes.is_contiguous() &&
+              g->scale.is_contiguous() && g->minimum->is_contiguous() && value_at->dim() == 1 &&
+              value_at->size(0) == N && value_at->scalar_type() == at::kLong,
+          "value_at must be [N] int64, with new keys and values, value pages and packed "
+          "min-max value groups");
+    const int64_t* at = data<int64_t>(*value_at, "value_at");
+    for (int64_t i = 0; i < N; ++i)
+      check(at[i] >= -1 && at[i] < (*value_groups)->codes.size(0) * group,
+            "value_at names a position outside the pool");
+    put_values(*step_values, new_values->scalar_type(), *value_at, **value_groups, group);
   }
   const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
   const char* step_v =
@@ -629,7 +677,8 @@ TORCH_LIBRARY(kvmix, m) {
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
       "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
-      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None) -> Tensor");
+      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
+      "Tensor? value_at=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
