@@ -31,6 +31,8 @@ def test_methods_lists_every_method_and_preset(capsys):
       "kivi2:sink=4"], "--engine vllm sets sink itself"),
     (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
       "kivi2@values=tokens"], "values='tokens' is invalid; valid: group, token"),
+    (["compare", "--engine", "vllm", "--vllm-python", sys.executable, "--methods",
+      "full@values=token"], "full is vLLM's own cache: no plugin settings after '@'"),
     (["bench", "--baselines", "paged"], "baselines ['paged'] are unknown; valid: dynamic"),
     (["bench", "--prompt-tokens", "1024,x"],
      "prompt_tokens='1024,x' is invalid; expected comma-separated int"),

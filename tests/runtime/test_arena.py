@@ -231,3 +231,24 @@ def test_tokens_by_position_round_trip_through_the_slot_dtype():
     before = arena.keys.clone()
     arena.move(torch.tensor([4, 5, 6]), torch.tensor([5, 6, 7]))
     assert torch.equal(arena.keys[0, :, 4:7], before[0, :, 5:8])
+
+
+def test_an_arena_of_keys_only_holds_and_moves_keys_alone():
+    """The vLLM plugin's staging with values="token": keys alone, half the bytes, and every
+    row operation works on them."""
+    full, keys = SlotArena("full"), SlotArena("keys")
+    full.allocate(2, 12, D, torch.float16, "cpu")
+    keys.allocate(2, 12, D, torch.float16, "cpu", values=False)
+    assert keys.values is None and len(keys.tensors()) == 1
+    assert 2 * keys.nbytes() == full.nbytes() and 2 * keys.token_bytes() == full.token_bytes()
+    keys.add([4, 4])
+    new = torch.randn(3, 2, D)
+    keys.put(torch.tensor([0, 1, 5]), new, None)
+    (taken,) = keys.take(torch.tensor([5, 0]))
+    assert torch.equal(taken, new[[2, 0]].half())
+    keys.remove(0)  # row 1 (slots 4..8) becomes row 0
+    keys.pick([0], 20)  # and is compacted to slots 0..4 of a bigger arena
+    assert keys.slots == 20 and keys.values is None
+    assert torch.equal(keys.views(0)[0][:, 1], new[2].half())
+    with pytest.raises(ValueError, match="values to put are missing"):
+        full.put(torch.tensor([0]), new[:1], None)

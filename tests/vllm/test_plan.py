@@ -329,16 +329,23 @@ def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
     assert sum(cache.staging_bytes() for cache in layers) == staging_nbytes(settings, 5)
 
 
-@pytest.mark.parametrize("name", ["kivi2", "kxvy:key_bits=4/2,value_bits=2/4", "pnmix1",
-                                  "chanmix"])
-def test_values_by_token_fill_the_methods_pages_and_own_groups_attend_quantized_values(name):
+@pytest.mark.parametrize("name, staging", [
+    ("kivi2", torch.float32), ("kxvy:key_bits=4/2,value_bits=2/4", torch.float32),
+    ("pnmix1", torch.float16), ("chanmix", torch.float32)])
+def test_values_by_token_fill_the_methods_pages_and_own_groups_attend_quantized_values(name,
+                                                                                     staging):
     """values="token": every page still holds the method's encode of its group, bit for bit
     (values written token by token as they came, keys at the seal), and each token attends to
-    its own group's keys as floats and its values as the page holds them."""
-    run = Run(settings_for(name, values="token")).run()
+    its own group's keys as floats and its values as the page holds them (on keys and values
+    the staging dtype holds exactly)."""
+    run = Run(settings_for(name, staging, values="token"))
+    run.k, run.v = ([x.to(staging).float() for x in xs] for xs in (run.k, run.v))
+    run.run()
     assert run.cache.staged.values is None and run.cache.kernels == "cpu"
     check(run)
-    by_request = Run(settings_for(name, values="token"), by_request=True).run()
+    by_request = Run(settings_for(name, staging, values="token"), by_request=True)
+    by_request.k, by_request.v = run.k, run.v
+    by_request.run()
     for a, b in zip(by_request.outputs, run.outputs, strict=True):
         assert_near(a, b, 1e-5)
 
@@ -372,6 +379,18 @@ def test_values_by_token_where_the_cpu_op_cannot_read_them_are_refused(kernels, 
     settings = settings_for("kivi2", staging, kernels, values="token")
     assert match in token_values_unserved(settings, torch.device("cpu"))
     assert token_values_unserved(settings_for("kivi2", values="token"), torch.device("cpu")) == ""
+    with pytest.raises(Refused, match=match):  # nor does a layer cache take them
+        LayerCache(settings, LAYER, torch.float32, SEQUENCES, BLOCK, torch.device("cpu"))
+
+
+def test_values_by_token_in_groups_the_ops_encoder_does_not_take_are_refused():
+    """The op quantizes a token's values in groups of a power of two from 8 to 256 channels."""
+    text = method_string("kivi2", sink=0, residual=G, group=G, value_group=24)
+    method = laid_out(parse_method(text), text)
+    spec = model_spec(LlamaConfig(**{**TINY, "head_dim": 48}), None)
+    method.bind(spec)
+    settings = Settings(method, torch.float32, text, spec, torch.float32, values="token")
+    assert "value groups of 24 channels" in token_values_unserved(settings, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name, transforms", [

@@ -19,6 +19,7 @@ import torch
 from kvmix.core.paths import cache_root
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, fingerprint, save_float
+from kvmix.vllm.settings import AT, split
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
@@ -27,7 +28,7 @@ def vllm_layout(setting: str) -> str:
     """``setting`` (a method, and the plugin's settings after an ``@``: ``pnmix1@values=token``)
     with the layout the method has inside vLLM (no sink, the open group as residual): what
     kvmix's own path scores beside it (``own_method``); ``full`` stays ``full``."""
-    method, at, plugin = setting.partition("@")
+    method, at, plugin = setting.partition(AT)
     if method == "full":
         return setting
     parsed = parse_method(method)
@@ -42,15 +43,17 @@ def vllm_layout(setting: str) -> str:
 def check_setting(setting: str) -> None:
     """A method (with the plugin's settings after an ``@``) scored through vLLM: ValueError
     naming what is invalid."""
-    from kvmix.vllm.settings import split
-
-    parse_method(split(setting)[0])
+    method, plugin = split(setting)
+    if method == "full" and plugin:
+        raise ValueError(f"{setting!r}: full is vLLM's own cache: no plugin settings after "
+                         f"{AT!r}")
+    parse_method(method)
 
 
 def own_method(setting: str) -> str:
     """The method of a setting scored through vLLM, as kvmix's own path runs it (the plugin's
     settings after ``@`` are vLLM's alone)."""
-    return setting.partition("@")[0]
+    return setting.partition(AT)[0]
 
 
 def check_python(python: str) -> None:

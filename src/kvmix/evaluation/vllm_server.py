@@ -25,7 +25,7 @@ from typing import NoReturn
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
-PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.split)
+PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.AT)
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 INSTALL = ("in a clone of kvmix `make vllm` builds it (.venv-vllm); elsewhere install it in an "
@@ -123,7 +123,7 @@ def staging_bytes(model: str, setting: str, sequences: int) -> int:
     from kvmix.models.loading import config_rope_pairs, load_config
     from kvmix.runtime.accounting import open_groups_bytes
     from kvmix.runtime.cache import model_spec
-    from kvmix.vllm.settings import STAGING
+    from kvmix.vllm.settings import staging_dtype
 
     config, _ = load_config(model)
     method = parse_method(name)
@@ -133,10 +133,9 @@ def staging_bytes(model: str, setting: str, sequences: int) -> int:
     except ValueError as error:
         raise VllmMissing(f"{setting} on {model}: {error}") from None
     asked = plugin_settings(setting)
-    staging = (STAGING[asked["staging"]] or torch.float32) if "staging" in asked else \
-        method.slot_dtype(torch.float32)
-    return open_groups_bytes(method, spec, staging, sequences,
-                             asked.get("values", "group") == "group")
+    return open_groups_bytes(method, spec, staging_dtype(asked.get("staging"), method,
+                                                         torch.float32),
+                             sequences, asked.get("values", "group") == "group")
 
 
 class VllmServer(LocalServer):

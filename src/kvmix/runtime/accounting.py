@@ -74,12 +74,13 @@ def slot_bytes(method: Method, spec: ModelSpec, dtype: torch.dtype) -> int:
 
 
 def open_groups_bytes(method: Method, spec: ModelSpec, staging: torch.dtype, slots: int,
-                      values: bool = True) -> int:
+                      staged_values: bool = True) -> int:
     """What the open groups of ``slots`` sequences take in every layer, staged as floats of
-    ``staging`` (kvmix's vLLM plugin): their keys and values (keys only where ``values`` is
-    False: values written to their pages as they arrive), and where the method selects from
-    queries, the query sums gathered over the group (the method bound to ``spec``)."""
-    group = method.group * token_bytes(spec.n_kv_heads, spec.head_dim, staging, values)
+    ``staging`` (kvmix's vLLM plugin): their keys and values (keys only where
+    ``staged_values`` is False: values written to their pages as they arrive), and where the
+    method selects from queries, the query sums gathered over the group (the method bound to
+    ``spec``)."""
+    group = method.group * token_bytes(spec.n_kv_heads, spec.head_dim, staging, staged_values)
     probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
     sums = 0 if probe is None else probe[0].numel() * probe.element_size()
     return spec.n_layers * slots * (group + sums)

@@ -67,7 +67,8 @@ class SlotArena:
         return slice(self.offset[b], self.offset[b] + self.capacity[b])
 
     def views(self, b: int) -> tuple[torch.Tensor, ...]:
-        """Row ``b``'s extent: keys, values [H, capacity, D] (views)."""
+        """Row ``b``'s extent: keys, values [H, capacity, D] (views; keys alone in an arena
+        of keys only)."""
         extent = self.extent(b)
         return tuple(arena[0, :, extent] for arena in self.tensors())
 
@@ -161,13 +162,16 @@ class SlotArena:
         return self._positions[device][rows] + within
 
     def take(self, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Keys, values [*positions.shape, H, D] at ``positions`` (a copy)."""
+        """Keys, values [*positions.shape, H, D] at ``positions`` (a copy; keys alone in an
+        arena of keys only)."""
         return tuple(arena[0].transpose(0, 1)[positions] for arena in self.tensors())
 
     def put(self, positions: torch.Tensor, keys: torch.Tensor,
             values: torch.Tensor | None = None) -> None:
         """keys, values [n, H, D] into ``positions`` [n] (rounded to the slot dtype; values
         ignored by an arena of keys only)."""
+        if values is None and self.values is not None:
+            raise ValueError(f"values to put are missing: the arena stages them ({self.name})")
         # [N, H, D] <- [n, H, D]
         for arena, new in zip(self.tensors(), (keys, values), strict=False):
             arena[0].transpose(0, 1).index_copy_(0, positions, new.to(arena.dtype))

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method
@@ -42,7 +43,7 @@ from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
 from kvmix.vllm.pages import Page, layout
 from kvmix.vllm.plan import Chunk, StepPlan
-from kvmix.vllm.settings import Refused, Settings
+from kvmix.vllm.settings import Refused, Settings, token_value_probes
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
 
@@ -93,6 +94,9 @@ class LayerCache:
                                                    device=device))]
         self.exact = settings.prefill == "exact"  # a prompt's first chunk attends in float
         self.staged_values = settings.staged_values  # else values go to pages as they arrive
+        token = "" if self.staged_values else token_values_unserved(settings, device)
+        if token:
+            raise Refused(f"values='token' cannot be honoured: {token}")
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
 
@@ -203,7 +207,9 @@ class LayerCache:
         place (``inplace_spans``): laid out [2, H, N, D] (``new``), or, as (key, value) [N, H,
         D], laid out by the op; with no chunk to read the staging after the op, the op then
         stages the new tokens (``stage_at``). For a staging the op does not read (bfloat16), the
-        step's float buffer widened (``spans``)."""
+        step's float buffer widened (``spans``). With ``values="token"`` the op first puts the
+        new values into their pages (``value_at``) and reads each row's own values from its
+        page (``value_pages``): the slot values passed are the keys again, never read."""
         if isinstance(new, tuple):
             tokens = {"new_keys": new[0], "new_values": new[1]}
         elif new.dtype in cpu.SEGMENT_DTYPES:
@@ -454,7 +460,8 @@ def kernels(asked: str, method: Method, head_dim: int, dtype: torch.dtype,
 
 def token_values_unserved(settings: Settings, device: torch.device) -> str:
     """Why ``values="token"`` cannot run with ``settings`` on ``device`` ("" when it can): the
-    CPU op alone reads a row's own values from its page, from a staging it reads in place."""
+    CPU op alone reads a row's own values from its page, from a staging it reads in place, and
+    its encoder quantizes groups of a power of two from 8 to 256 channels."""
     chosen = kernels(settings.kernels, settings.method, settings.spec.head_dim, settings.dtype,
                      device)
     if chosen != "cpu":
@@ -462,6 +469,11 @@ def token_values_unserved(settings: Settings, device: torch.device) -> str:
                 f"{chosen})")
     if settings.staging not in cpu.SEGMENT_DTYPES:
         return f"the CPU op reads a staging of float32 or float16, not {settings.staging}"
+    for probe in token_value_probes(settings.method, settings.spec):
+        group = probe.shape[-1]
+        if group & (group - 1) or not 8 <= group <= fused.CPU_MAX_GROUP:
+            return (f"value groups of {group} channels (the CPU op's encoder takes a power of "
+                    f"two from 8 to {fused.CPU_MAX_GROUP})")
     return ""
 
 

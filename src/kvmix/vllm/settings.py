@@ -89,8 +89,7 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
 
 
 def checked(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` settings, or ``Refused`` naming an unknown one or an invalid value (the staging
-    dtype is checked as it resolves)."""
+    """``raw`` settings, or ``Refused`` naming an unknown one or an invalid value."""
     unknown = sorted(set(raw) - set(FIELDS))
     if unknown:
         raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
@@ -121,8 +120,7 @@ def resolve(vllm_config: Any) -> Settings | None:
     method = laid_out(parse_method(text), text)
     model_config = vllm_config.model_config
     dtype = model_config.dtype
-    # by default the dtype kvmix's own cache keeps its float tail in (``Method.slot_dtype``)
-    staging = _staging(raw["staging"], dtype) if "staging" in raw else method.slot_dtype(dtype)
+    staging = staging_dtype(raw.get("staging"), method, dtype)
     hf_config = model_config.hf_config
     folded = getattr(hf_config, CONFIG_KEY, None) or {}
     spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
@@ -134,18 +132,25 @@ def resolve(vllm_config: Any) -> Settings | None:
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
     values = raw.get("values", "group")
-    if values == "token" and not token_values(method, spec):
+    if values == "token" and not stored_by_token(method, spec):
         raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
                       "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
     return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"),
                     raw.get("prefill", "decode"), values)
 
 
-def token_values(method: Method, spec: ModelSpec) -> bool:
+def stored_by_token(method: Method, spec: ModelSpec) -> bool:
     """Whether every layer of ``method`` (bound to ``spec``) stores its values token by token
-    (``Method.token_values``)."""
+    (``Method.token_values``) as min-max groups, the encoding the CPU op writes them in."""
+    return all(q is not None and not q.center and q.minimum is not None
+               for q in token_value_probes(method, spec))
+
+
+def token_value_probes(method: Method, spec: ModelSpec) -> list[Any]:
+    """One token's values encoded by each layer's ``Method.token_values`` (None: not per
+    token)."""
     probe = torch.zeros(1, spec.n_kv_heads, 1, spec.head_dim)
-    return all(method.token_values(probe, layer) is not None for layer in range(spec.n_layers))
+    return [method.token_values(probe, layer) for layer in range(spec.n_layers)]
 
 
 def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> ModelSpec:
@@ -196,7 +201,8 @@ def _overrides(text: str) -> dict[str, str]:
     return {key.strip(): value.strip() for key, _, value in pairs}
 
 
-def _staging(name: Any, dtype: torch.dtype) -> torch.dtype:
-    if name not in STAGING:
-        raise Refused(f"staging={name!r} is invalid; valid: {', '.join(STAGING)}")
-    return STAGING[name] or dtype
+def staging_dtype(name: str | None, method: Method, dtype: torch.dtype) -> torch.dtype:
+    """The staging dtype a setting names (checked by ``checked``; ``auto``: the model's
+    ``dtype``), by default the one kvmix's own cache keeps its float tail in
+    (``Method.slot_dtype``)."""
+    return method.slot_dtype(dtype) if name is None else STAGING[name] or dtype

@@ -366,8 +366,8 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
 std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64_t dim,
                                             bool center, bool packed);
 
-// The step's new values as staged (`laid` [1, H, N, D] in the slots' dtype), widened to `dtype`
-// (the model's) and quantized token by token as the pool's value groups `g` hold them (per
+// The step's new values as staged (`laid` [1, H, N, D] in the slots' dtype), converted to
+// `dtype` (the model's) and quantized token by token as the pool's value groups `g` hold them (per
 // token, groups of g.group channels, min-max: kvmix::quantize, as Method.token_values encodes
 // them), into pool position `value_at` [N] (page · G + offset; -1: none).
 void put_values(const Tensor& laid, at::ScalarType dtype, const Tensor& value_at,
@@ -498,9 +498,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
           "min-max value groups");
     const int64_t* at = data<int64_t>(*value_at, "value_at");
     for (int64_t i = 0; i < N; ++i)
-      check(at[i] >= -1 && at[i] < (*value_groups)->codes.size(0) * group,
+      check(at[i] >= -1 && at[i] < g->codes.size(0) * group,
             "value_at names a position outside the pool");
-    put_values(*step_values, new_values->scalar_type(), *value_at, **value_groups, group);
   }
   const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
   const char* step_v =
@@ -529,7 +528,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     Problem& p = problems[s];
     set_heads(p, query.size(1), H, 1, D, data<float>(query, "query") + s * query.size(1) * D,
               scale);
-    for (int which = 0, first = 0; which < 2; ++which) {
+    for (int64_t which = 0, first = 0; which < 2; ++which) {
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
       const bool own = step && which == 1;  // in the step's tokens
       const int64_t extent = own ? N : T;
@@ -576,6 +575,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
+  if (value_at.has_value())  // every argument checked: the values go in before any row reads
+    put_values(*step_values, new_values->scalar_type(), *value_at, **value_groups, group);
   Tensor out = solve(problems, query.options()).squeeze(2);
   if (stage_at.has_value())
     stage(*stage_at, step_k, own_page ? nullptr : step_v, N, slot_keys, slot_values, T, H, D,
@@ -677,6 +678,8 @@ TORCH_LIBRARY(kvmix, m) {
       "__torch__.torch.classes.kvmix.TokenGroups? token_keys, "
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
       "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
+      // value_pages: the rows' own values from pages (the slots then hold keys only: slot
+      // values are neither read nor written); value_at: the new values written there first
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
       "Tensor? value_at=None) -> Tensor");
 }
