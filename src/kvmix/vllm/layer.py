@@ -470,6 +470,8 @@ def token_values_unserved(settings: Settings, device: torch.device) -> str:
     if settings.staging not in cpu.SEGMENT_DTYPES:
         return f"the CPU op reads a staging of float32 or float16, not {settings.staging}"
     for probe in token_value_probes(settings.method, settings.spec):
+        if probe is None:
+            return f"{settings.method.name}'s values are not per-token groups"
         group = probe.shape[-1]
         if group & (group - 1) or not 8 <= group <= fused.CPU_MAX_GROUP:
             return (f"value groups of {group} channels (the CPU op's encoder takes a power of "

@@ -35,7 +35,7 @@ PREFILLS = ("decode", "exact")
 # group: a group's values are staged as floats with its keys and sealed with them (the method
 # as kvmix runs it); token: each token's values go to its page as it arrives, packed per token
 # (per-token value methods on the CPU op): half the staging, and a token's own group's values
-# are read quantized — a change of what the method computes, measured (docs/design/vllm-plugin)
+# are read quantized — a change of what the method computes (measured: docs/benchmarks)
 VALUES = ("group", "token")
 FIELDS = ("method", "staging", "kernels", "prefill", "values")
 AT = "@"  # METHOD@values=token: a method string followed by the plugin's other settings
