@@ -129,6 +129,24 @@ def test_it_runs_loadtests_command_line_with_the_staging_counted(capsys, tokeniz
     assert err.index("warning") > err.index(lines[1])  # the second run's
 
 
+def test_the_plugins_settings_after_the_method_reach_vllm(capsys, tokenizer, monkeypatch):
+    """--method kivi2@values=token: the plugin gets values="token", the budget counts the keys
+    alone staged, and the start-up line names the setting."""
+    ran = []
+    monkeypatch.setattr(through_vllm, "find", lambda python, plugin: FOUND)
+    monkeypatch.setattr(vllm_server.os, "execve", lambda *call: ran.append(call))
+    with saved_model(tokenizer) as folder:
+        staging = vllm_server.staging_bytes(folder, "kivi2@values=token", 4)
+        assert staging == vllm_server.staging_bytes(folder, "kivi2", 4) // 2 > 0
+        main(["serve", "--engine", "vllm", "--model", folder, "--method", "kivi2@values=token",
+              "--memory", "20MB", "--max-num-seqs", "4"])
+    flags = values(ran[0][1])
+    assert json.loads(flags["--additional-config"]) == {"kvmix": {"method": "kivi2",
+                                                                  "values": "token"}}
+    assert int(flags["--kv-cache-memory-bytes"]) == 20_000_000 - staging
+    assert " · kivi2, values=token through kvmix's plugin" in capsys.readouterr().err
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

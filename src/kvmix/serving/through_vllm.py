@@ -65,7 +65,7 @@ def prepare(config: ServeConfig, engine: VllmEngine) -> tuple[VllmServer, Found]
     from kvmix.models.loading import model_folder
 
     try:
-        found = find(engine.python, plugin=setting not in OWN)
+        found = find(engine.python, plugin=parse(setting) not in OWN)
         server = VllmServer(found.python, model_folder(config.model), setting, memory,
                             engine.max_model_len, None, engine.max_num_seqs,
                             extra=[*passed(config), "--served-model-name", config.model],
@@ -115,7 +115,8 @@ def _setting(method: str) -> str:
     if method == ANCHOR:
         raise ValueError(f"method={ANCHOR!r} is kvmix's own engine's anchor; through vLLM "
                          "its own float cache is --method auto (fp8: --method fp8)")
-    return parse(method)
+    parse(method)  # checked now; the server keeps the plugin's settings after an @
+    return method
 
 
 def _flag(name: str) -> str:
