@@ -113,7 +113,7 @@ def profile(model: str, setting: str) -> dict[str, float]:
     if setting in ("auto", "fp8"):
         cache = {"kv_cache_dtype": setting}
     else:  # a method, and the plugin's other settings after an @ (pnmix1@values=token)
-        from kvmix.vllm.settings import split
+        from kvmix.runtime.plugin_settings import split
 
         method, plugin = split(setting)
         cache = {"additional_config": {"kvmix": {"method": method, **plugin}}}

@@ -47,7 +47,7 @@ class CompareConfig(GridConfig, JobConfig):
     chunk: int = 1
     engine: str = "kvmix"  # vllm: also through vLLM, each method with vLLM's layout
     vllm_python: str = through_vllm.DEFAULT_PYTHON
-    vllm_prefill: str = "exact"  # the plugin's prefill (kvmix.vllm.settings.PREFILLS)
+    vllm_prefill: str = "exact"  # the plugin's prefill (kvmix.runtime.plugin_settings.PREFILLS)
 
 
 def add_parser(commands) -> None:

@@ -19,7 +19,7 @@ import torch
 from kvmix.core.paths import cache_root
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, fingerprint, save_float
-from kvmix.vllm.settings import AT, split
+from kvmix.runtime.plugin_settings import AT, split
 
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 

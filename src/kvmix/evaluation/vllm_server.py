@@ -25,7 +25,7 @@ from typing import NoReturn
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
-PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.vllm.settings.AT)
+PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.runtime.plugin_settings.AT)
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 INSTALL = ("in a clone of kvmix `make vllm` builds it (.venv-vllm); elsewhere install it in an "
@@ -104,7 +104,7 @@ def parse(setting: str) -> str:
 def plugin_settings(setting: str) -> dict[str, str]:
     """The plugin's settings a row names after its method (``vllm:pnmix1@values=token`` ->
     {"values": "token"}); ValueError naming the valid ones."""
-    from kvmix.vllm.settings import split
+    from kvmix.runtime.plugin_settings import split
 
     return split(setting.removeprefix(PREFIX))[1]
 
@@ -123,7 +123,7 @@ def staging_bytes(model: str, setting: str, sequences: int) -> int:
     from kvmix.models.loading import config_rope_pairs, load_config
     from kvmix.runtime.accounting import open_groups_bytes
     from kvmix.runtime.cache import model_spec
-    from kvmix.vllm.settings import staging_dtype
+    from kvmix.runtime.plugin_settings import staging_dtype
 
     config, _ = load_config(model)
     method = parse_method(name)

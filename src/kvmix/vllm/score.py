@@ -53,7 +53,7 @@ def score(model: str, ids: list[int], context: int, setting: str, prefill: str
     """``setting``: a method, and the plugin's other settings after an ``@``."""
     from vllm import LLM, SamplingParams
 
-    from kvmix.vllm.settings import split
+    from kvmix.runtime.plugin_settings import split
 
     method, plugin = split(setting)
     extra = {} if method == "full" else {

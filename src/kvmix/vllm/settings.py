@@ -23,28 +23,10 @@ from kvmix.methods import Method, ModelSpec, parse_method
 from kvmix.models.loading import config_rope_pairs
 from kvmix.runtime.cache import model_spec
 from kvmix.runtime.folding import CONFIG_KEY
+from kvmix.runtime.plugin_settings import KEY, Refused, checked, staging_dtype
 
-KEY = "kvmix"  # the key of --additional-config
-STAGING = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
-           "auto": None}  # auto: the model's dtype
-KERNELS = ("auto", "cpu", "triton", "torch")  # auto: the CPU op on CPU, Triton on CUDA
-# decode: every prompt token attends as a decode at its position would (outputs independent of
-# chunking and of the prefix cache); exact: a prompt's first chunk attends to itself in float,
-# as a float prefill does (kvmix's own cache, KIVI), later chunks as decodes
-PREFILLS = ("decode", "exact")
-# group: a group's values are staged as floats with its keys and sealed with them (the method
-# as kvmix runs it); token: each token's values go to its page as it arrives, packed per token
-# (per-token value methods on the CPU op): half the staging, and a token's own group's values
-# are read quantized — a change of what the method computes (measured: docs/benchmarks)
-VALUES = ("group", "token")
-FIELDS = ("method", "staging", "kernels", "prefill", "values")
-AT = "@"  # METHOD@values=token: a method string followed by the plugin's other settings
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
-
-
-class Refused(ValueError):
-    """A setting kvmix cannot honour inside vLLM, named before the engine starts."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,28 +68,6 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
                       f'{{"method": "...", "staging": "float16", "kernels": "auto"}}; '
                       f'got {raw!r}')
     return checked(raw)
-
-
-def checked(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` settings, or ``Refused`` naming an unknown one or an invalid value."""
-    unknown = sorted(set(raw) - set(FIELDS))
-    if unknown:
-        raise Refused(f"unknown kvmix setting(s) {unknown}; valid: {', '.join(FIELDS)}")
-    for name, valid, default in (("kernels", KERNELS, "auto"), ("prefill", PREFILLS, "decode"),
-                                 ("values", VALUES, "group"), ("staging", STAGING, "auto")):
-        if raw.get(name, default) not in valid:
-            raise Refused(f"{name}={raw[name]!r} is invalid; valid: {', '.join(valid)}")
-    return raw
-
-
-def split(text: str) -> tuple[str, dict[str, str]]:
-    """``METHOD@KEY=VALUE,...`` (a row of ``kvmix loadtest`` or ``compare --engine vllm``) ->
-    the method string and the plugin's other settings (``Refused`` naming an invalid one)."""
-    method, _, rest = text.partition(AT)
-    pairs = dict(item.partition("=")[::2] for item in rest.split(",")) if rest else {}
-    if "method" in pairs:
-        raise Refused(f"{text!r} names its method before {AT!r}, not as a setting after it")
-    return method, checked(pairs)
 
 
 def resolve(vllm_config: Any) -> Settings | None:
@@ -199,10 +159,3 @@ def _overrides(text: str) -> dict[str, str]:
     _, _, rest = text.partition(":")
     pairs = (item.partition("=") for item in rest.split(",") if "=" in item)
     return {key.strip(): value.strip() for key, _, value in pairs}
-
-
-def staging_dtype(name: str | None, method: Method, dtype: torch.dtype) -> torch.dtype:
-    """The staging dtype a setting names (checked by ``checked``; ``auto``: the model's
-    ``dtype``), by default the one kvmix's own cache keeps its float tail in
-    (``Method.slot_dtype``)."""
-    return method.slot_dtype(dtype) if name is None else STAGING[name] or dtype
