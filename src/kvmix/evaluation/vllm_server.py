@@ -25,7 +25,6 @@ from typing import NoReturn
 from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
-PLUGIN = "@"  # vllm:METHOD@KEY=VALUE,...: the plugin's settings (kvmix.runtime.plugin_settings.AT)
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
 DEFAULT_PYTHON = ".venv-vllm/bin/python"
 INSTALL = ("in a clone of kvmix `make vllm` builds it (.venv-vllm); elsewhere install it in an "
@@ -83,14 +82,14 @@ def parse(setting: str) -> str:
     """``vllm:METHOD`` or ``vllm:DTYPE`` (or either without ``vllm:``) -> the kvmix method
     string or vLLM's cache dtype; ValueError naming what is valid (before any server starts)."""
     from kvmix.methods import parse_method
+    from kvmix.runtime.plugin_settings import AT, split
 
-    name = setting.removeprefix(PREFIX).partition(PLUGIN)[0]
+    name, plugin = split(setting.removeprefix(PREFIX))  # the plugin's settings after an @
     if name in OWN:
-        if PLUGIN in setting:
-            raise ValueError(f"method={setting!r} is invalid: settings after {PLUGIN!r} are "
+        if plugin:
+            raise ValueError(f"method={setting!r} is invalid: settings after {AT!r} are "
                              f"kvmix's plugin's, not vLLM's own {name} cache's")
         return name
-    plugin_settings(setting)
     try:
         parse_method(name)
     except ValueError as error:

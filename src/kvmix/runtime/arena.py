@@ -124,7 +124,7 @@ class SlotArena:
             for at, b in zip(offsets[:-1], rows, strict=True):
                 new[:, :, at : at + self.capacity[b]] = arena[:, :, self.extent(b)]
             fresh.append(new)
-        self.keys, self.values = (*fresh, None)[:2]
+        self.keys, self.values = fresh[0], fresh[1] if self.values is not None else None
         self.offset, self.capacity = offsets[:-1], [self.capacity[b] for b in rows]
         self._moved()
 
