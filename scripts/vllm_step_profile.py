@@ -7,7 +7,7 @@ running (the budget holds them all), the engine core in this process. Per decode
 * attention: the attention layers' ``forward`` (kvmix: ``KvmixImpl``), of which kvmix's op
   (``torch.ops.kvmix.decode_batch``, the fused CPU kernel) is counted apart from the Python and
   torch ops around it;
-* plan: the attention metadata builder (kvmix: ``plan_step``, once for every layer);
+* plan: the attention metadata builder (kvmix: ``Planner.plan``, once for every layer);
 * vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
 
 In the vLLM environment, for each setting (``fp8`` and ``auto`` are vLLM's own caches; the

@@ -17,8 +17,8 @@ from helpers import FAST, HQ, D, H, compare_rows, make, method_string
 from torch.overrides import TorchFunctionMode
 
 import kvmix
-from kvmix.methods import method_classes
-from kvmix.runtime.kernels import cpu, resolve
+from kvmix.methods import method_classes, parse_method
+from kvmix.runtime.kernels import Unserved, choose, cpu, resolve
 
 SCALE = D**-0.5
 
@@ -95,6 +95,22 @@ def test_backends_are_resolved_and_refused_clearly(monkeypatch):
         resolve("cpu", "cpu")
     with pytest.warns(UserWarning, match="unavailable, using the reference path: g\\+\\+ fail"):
         assert resolve("auto", "cpu") == "torch"
+
+
+@pytest.mark.parametrize("text, reason", [
+    ("kxvy:backend=quanto", "backend=quanto"), ("kxvy:backend=hqq", "backend=hqq"),
+    ("pnmix:criterion=qk_pair_norm,selection=online", "selection=online"), ("polar", "polar")])
+def test_a_method_instance_without_a_fused_path_is_decoded_by_reference(text, reason):
+    """The paged kernels' choice (kvmix's vLLM plugin) reads the method instance: a setting
+    that turns its fused decode off gets the reference path with that reason under ``auto``,
+    and a refusal naming it when the kernels are asked for by name."""
+    method = parse_method(text)
+    choice, why = choose("auto", method, D, torch.float32, torch.device("cpu"))
+    assert choice == "torch" and reason in why
+    with pytest.raises(Unserved, match=f"kernels='cpu' cannot be honoured: .*{reason}"):
+        choose("cpu", method, D, torch.float32, torch.device("cpu"))
+    assert choose("auto", parse_method("kxvy"), D, torch.float32, torch.device("cpu")) == \
+        ("cpu", "")
 
 
 @pytest.mark.parametrize("layout, named", [("group=4,residual=16", "group=4"),

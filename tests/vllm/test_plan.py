@@ -1,5 +1,5 @@
 """The plugin's step without an engine: a scheduler's steps (prefill chunks, decodes, groups
-sealed by either, several rows, a block table out of order) driven through ``plan_step`` and one
+sealed by either, several rows, a block table out of order) driven through a ``Planner`` and one
 ``LayerCache``, checked against kvmix's methods called directly — the codes in every page are
 the method's ``encode`` of that group (the selection its ``select`` makes from the first
 group's queries), and every token's output is attention over the decoded pages and the exact
@@ -16,13 +16,13 @@ from transformers import LlamaConfig
 
 from kvmix.core.quantizers import dequantize_per_token
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
-from kvmix.methods import Blocks, parse_method
+from kvmix.methods import Blocks, method_classes, parse_method
 from kvmix.runtime.cache import model_spec
 from kvmix.runtime.kernels import gpu
 from kvmix.vllm import plan
-from kvmix.vllm.layer import LayerCache, staging_nbytes, token_values_unserved
+from kvmix.vllm.layer import LayerCache, readers, staging_nbytes, token_values_unserved
 from kvmix.vllm.pages import layout
-from kvmix.vllm.plan import Staging, StagingLost, plan_step
+from kvmix.vllm.plan import Planner, Readers, StagingLost
 from kvmix.vllm.settings import Refused, Settings, laid_out
 
 G, BLOCK, LAYER, BLOCKS = 8, 16, 1, 12
@@ -74,7 +74,7 @@ class Run:
                    for layer in range(settings.spec.n_layers))
         self.cache.bind(torch.zeros(BLOCKS, BLOCK // self.method.group * page,
                                     dtype=torch.uint8, device=self.device))
-        self.staging = Staging(SEQUENCES)
+        self.planner = Planner(readers(settings, BLOCK, self.device), SEQUENCES, self.device)
         self.outputs = [torch.zeros(n, HQ, D) for n in lengths]  # each token's attention
 
     def run(self) -> Run:
@@ -84,10 +84,8 @@ class Run:
             new = np.array([step[s] for s in rows])
             starts = np.concatenate([[0], np.cumsum(new)])
             lengths = done[rows] + new
-            plan = plan_step(self.staging, self.method.group, BLOCK, starts, lengths,
-                             self.table[rows], self.device, self.cache.kernels != "torch",
-                             self.settings.prefill == "exact",
-                             np.array(rows) if self.by_request else None)
+            plan = self.planner.plan(starts, lengths, self.table[rows],
+                                     np.array(rows) if self.by_request else None)
             spans = [slice(done[s], done[s] + step[s]) for s in rows]
             query, key, value = (torch.cat([x[s][span] for s, span in zip(rows, spans,
                                                                             strict=True)])
@@ -179,7 +177,7 @@ def test_staging_by_request_slot_gives_the_same_pages_and_outputs(name):
     """Model Runner V2 names each row's request slot: the staging slot is that, nothing kept."""
     by_request = Run(settings_for(name), by_request=True).run()
     check(by_request)
-    assert by_request.staging.page_of.tolist() == [-1] * SEQUENCES  # the book is not used
+    assert by_request.planner.book.page_of.tolist() == [-1] * SEQUENCES  # no book kept
 
 
 def test_requests_skipped_by_the_scheduler_keep_their_staging_by_request_slot():
@@ -301,12 +299,11 @@ def test_an_exact_prefill_selects_from_its_whole_first_chunk():
     assert not same(exact.stored(0, 0)[1], decodes.stored(0, 0)[1])  # 11 tokens, not 8
 
 
-@pytest.mark.parametrize("staging, tolerance", [(torch.float16, 0.0), (torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("staging, tolerance", [(torch.float16, 0.0), (torch.bfloat16, 0.0)])
 def test_a_staging_keeps_what_its_dtype_holds(staging, tolerance):
     """Staged tokens are rounded to the staging dtype and nothing else changes: on keys and
     values the dtype holds exactly, it gives float32 staging's pages and outputs — exactly for
-    float16, which the CPU op reads in place, and to float32 reassociation for bfloat16, which
-    it reads through the step's float buffer."""
+    float16 and bfloat16, which the CPU op reads in place (widened as it reads them)."""
     runs = []
     for dtype in (staging, torch.float32):
         run = Run(settings_for("kivi2", dtype))
@@ -331,7 +328,7 @@ def test_staging_is_one_group_per_slot_as_the_startup_line_says(name, staging):
 
 @pytest.mark.parametrize("name, staging", [
     ("kivi2", torch.float32), ("kxvy:key_bits=4/2,value_bits=2/4", torch.float32),
-    ("pnmix1", torch.float16), ("chanmix", torch.float32)])
+    ("pnmix1", torch.float16), ("chanmix", torch.float32), ("kivi2", torch.bfloat16)])
 def test_values_by_token_fill_the_methods_pages_and_own_groups_attend_quantized_values(name,
                                                                                      staging):
     """values="token": every page still holds the method's encode of its group, bit for bit
@@ -371,10 +368,7 @@ def test_values_by_token_stage_keys_only(name, staging):
     assert cache.staging_bytes() * LAYERS == staging_nbytes(token, 5)
 
 
-@pytest.mark.parametrize("kernels, staging, match", [
-    ("torch", torch.float32, "kernels: torch"),
-    ("cpu", torch.bfloat16, "not torch.bfloat16"),
-])
+@pytest.mark.parametrize("kernels, staging, match", [("torch", torch.float32, "kernels: torch")])
 def test_values_by_token_where_the_cpu_op_cannot_read_them_are_refused(kernels, staging, match):
     settings = settings_for("kivi2", staging, kernels, values="token")
     assert match in token_values_unserved(settings, torch.device("cpu"))
@@ -406,17 +400,18 @@ def test_a_step_runs_only_the_transforms_that_change_queries_or_keys(name, trans
 
 
 def test_a_reclaimed_open_group_is_never_read():
-    staging = Staging(2)
+    planner = Planner(Readers(G, BLOCK), 2, torch.device("cpu"))
     table = np.arange(3).reshape(3, 1)
 
     def step(rows, before, new):
         starts = np.concatenate([[0], np.cumsum(new)])
-        return plan_step(staging, G, BLOCK, starts, np.array(before) + np.array(new),
-                         table[rows], torch.device("cpu"))
+        built = planner.plan(starts, np.array(before) + np.array(new), table[rows])
+        built.ran = True  # as a layer running it marks it
+        return built
 
     step([0, 1], [0, 0], [3, 3])  # two open groups: both slots taken
-    plan = step([2], [0], [3])  # a third: the slot used longest ago is reclaimed
-    assert (plan.staged_positions // G).unique().numel() == 1
+    built = step([2], [0], [3])  # a third: the slot used longest ago is reclaimed
+    assert (built.writes.stage_at // G).unique().numel() == 1
     with pytest.raises(StagingLost, match="max_num_seqs"):
         step([0, 1], [3, 3], [1, 1])  # one of the first two lost its staged tokens
 
@@ -431,9 +426,8 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were(v
 
     run = Run(settings_for("pnmix1", values=values), schedule=SCHEDULE[:3]).run()
     builder = KvmixMetadataBuilder.__new__(KvmixMetadataBuilder)
-    builder.settings, builder.block_size, builder.staging = run.settings, BLOCK, run.staging
-    builder.fused, builder.device = True, torch.device("cpu")
-    builder.idle = plan.idle_plan(G, BLOCK, builder.device)
+    builder.settings, builder.planner = run.settings, run.planner
+    builder.idle = plan.idle_plan(run.planner.readers, torch.device("cpu"))
     rows, tokens = 4, 6
     starts = torch.tensor([0, 1, 2, 3, tokens])
     meta = SimpleNamespace(num_reqs=rows, num_actual_tokens=tokens, query_start_loc_cpu=starts,
@@ -442,26 +436,25 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were(v
                            req_idx=np.arange(rows))
     staged = [t.clone() for t in run.cache.staged.take(torch.arange(SEQUENCES * G))]
     pages = run.cache.cache.clone()
-    book = run.staging.page_of.copy(), run.staging.slot_of.copy(), run.staging.step
+    book = run.planner.book.page_of.copy(), run.planner.book.used.copy(), run.planner.book.step
     built = builder.build(0, meta).plan
     q = torch.randn(tokens, HQ, D)
     kv = torch.randn(tokens, H, D)
     run.cache.step(built, q, kv, kv, D**-0.5, torch.zeros_like(q))
-    assert built.sealed == 0 and built.decode_tokens.numel() == 0 and not built.chunks
+    assert built.sealed == 0 and built.rows is None and not built.chunks
     assert torch.equal(run.cache.cache, pages)
     for before, after in zip(staged, run.cache.staged.take(torch.arange(SEQUENCES * G)),
                              strict=True):
         assert torch.equal(before, after)
-    assert (run.staging.page_of.tolist(), run.staging.slot_of.tolist(), run.staging.step) == \
+    after = run.planner.book
+    assert (after.page_of.tolist(), after.used.tolist(), after.step) == \
         (book[0].tolist(), book[1].tolist(), book[2])
 
 
 def test_a_full_staging_with_every_slot_in_the_step_is_refused():
-    staging = Staging(1)
-    starts = np.array([0, 3, 6])
+    planner = Planner(Readers(G, BLOCK), 1, torch.device("cpu"))
     with pytest.raises(StagingLost, match="raise max_num_seqs"):
-        plan_step(staging, G, BLOCK, starts, np.array([3, 3]), np.arange(2).reshape(2, 1),
-                  torch.device("cpu"))
+        planner.plan(np.array([0, 3, 6]), np.array([3, 3]), np.arange(2).reshape(2, 1))
 
 
 @pytest.mark.parametrize("text, match", [
@@ -476,45 +469,73 @@ def test_layouts_vllm_blocks_cannot_hold_are_refused(text, match):
 
 def test_kernels_follow_the_device_and_a_choice_they_cannot_honour_is_refused(monkeypatch):
     """auto: the CPU op on CPU, Triton on CUDA, the reference path where neither reads the
-    cache (with a warning); the CPU op asked for by name on CUDA is refused."""
+    cache (with the reason); the CPU op asked for by name on CUDA is refused — by the runtime's
+    one choice, which the plugin decides once per engine's settings."""
+    from dataclasses import replace
+
+    from kvmix.runtime.kernels import Unserved, choose
     from kvmix.vllm import layer
 
-    method, cpu, cuda = settings_for("kivi2").method, torch.device("cpu"), torch.device("cuda")
-    assert layer.kernels("auto", method, D, torch.float32, cpu) == "cpu"
-    assert layer.kernels("auto", method, D, torch.float32, cuda) == "triton"
-    assert layer.kernels("torch", method, D, torch.float32, cuda) == "torch"
-    with pytest.raises(Refused, match="kernels='cpu' cannot be honoured: the cache is on cuda"):
-        layer.kernels("cpu", method, D, torch.float32, cuda)
+    settings = settings_for("kivi2")
+    method, cpu, cuda = settings.method, torch.device("cpu"), torch.device("cuda")
+    assert choose("auto", method, D, torch.float32, cpu) == ("cpu", "")
+    assert choose("auto", method, D, torch.float32, cuda) == ("triton", "")
+    assert choose("torch", method, D, torch.float32, cuda) == ("torch", "")
+    with pytest.raises(Unserved, match="kernels='cpu' cannot be honoured: the cache is on cuda"):
+        choose("cpu", method, D, torch.float32, cuda)
+    with pytest.raises(Refused, match="the cache is on cuda"):  # the plugin's refusal
+        layer.kernels(replace(settings, kernels="cpu"), cuda)
+    assert layer.kernels(settings, cpu) == "cpu"
     with monkeypatch.context() as patched:  # Triton on CPU tensors only interpreted
         patched.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(Refused, match="Triton runs on CUDA tensors"):
-            layer.kernels("triton", method, D, torch.float32, cpu)
+        with pytest.raises(Unserved, match="Triton runs on CUDA tensors"):
+            choose("triton", method, D, torch.float32, cpu)
     monkeypatch.setattr(layer.gpu, "available", lambda: (False, "Triton is not installed"))
-    assert layer.kernels("auto", method, D, torch.float32, cuda) == "torch"
-    with pytest.raises(Refused, match="Triton is not installed"):
-        layer.kernels("triton", method, D, torch.float32, cuda)
+    assert choose("auto", method, D, torch.float32, cuda) == ("torch", "Triton is not installed")
+    with pytest.raises(Unserved, match="Triton is not installed"):
+        choose("triton", method, D, torch.float32, cuda)
 
 
-def test_a_plan_is_one_upload_into_a_buffer_the_next_step_reuses():
-    """Every index tensor of a step's plan is a view of one device buffer (one copy a step),
-    and the next step's plan fills the same buffer."""
-    from kvmix.runtime.steps import Staged
+@pytest.mark.parametrize("name", [*sorted(method_classes()), "pnmix:criterion=qk_pair_norm,"
+                                  "selection=online", "kxvy:key_bits=4/2,value_bits=2/4"])
+def test_every_method_in_the_registry_runs_inside_vllm_or_is_refused_naming_why(name):
+    """Each registered method (and the settings that change its path) either serves a few
+    steps — batched chunks, decodes, seals — with finite outputs, or is refused by kvmix
+    before any step, naming why."""
+    try:
+        run = Run(settings_for(name), schedule=SCHEDULE[:4])
+    except Refused as refusal:
+        assert name.partition(":")[0] in str(refusal) and (
+            "not served" in str(refusal) or "cannot select" in str(refusal))
+        return
+    outputs = torch.cat(run.run().outputs)
+    assert outputs.abs().sum() > 0 and torch.isfinite(outputs).all()
 
-    uploads, staging = Staged(), Staging(2)
-    table = np.arange(8).reshape(2, 4)
-    first = plan_step(staging, G, BLOCK, np.array([0, 11, 14]), np.array([11, 3]), table,
-                      torch.device("cpu"), fused=True, uploads=uploads)
-    buffer = uploads.buffer
-    tensors = [t for t in vars(first).values() if isinstance(t, torch.Tensor) and t.numel()
-               and t.dtype == torch.long]
-    assert len(tensors) > 10
-    assert all(t.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
-               for t in tensors)
-    assert first.table.shape == (14, 1) and first.inplace_spans.shape == (14, 4)
-    second = plan_step(staging, G, BLOCK, np.array([0, 1, 2]), np.array([12, 4]), table,
-                       torch.device("cpu"), fused=True, uploads=uploads)
-    assert uploads.buffer is buffer
-    assert second.decode_tokens.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+def test_a_plan_is_one_upload_of_the_groups_its_readers_run():
+    """A step's plan: its index tensors views of one upload of its own (a plan stays valid
+    whatever is planned after it), only the groups a reader runs in that step (a decode step
+    seals nothing; the CPU op stages its tokens), and the same plan when one step is planned
+    twice — the slots assigned then commit only once a layer has run the step."""
+    run = Run(settings_for("kivi2"), schedule=SCHEDULE[:2]).run()
+    planner = run.planner
+    starts, lengths = np.array([0, 1, 2]), np.array([18, 5])  # two decodes, no group complete
+    first = planner.plan(starts, lengths, run.table[:2])
+    again = planner.plan(starts, lengths, run.table[:2])
+    tensors = [t for group in (first.writes, first.rows) for t in vars(group).values()
+               if isinstance(t, torch.Tensor) and t.numel()]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1 and len(tensors) >= 5
+    assert first.seals is None and first.sums is None and not first.chunks
+    assert first.writes.by_op and first.writes.staged is None and first.rows.count == 2
+    for a, b in ((first.writes, again.writes), (first.rows, again.rows)):
+        assert all(torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(),
+                                                     strict=True)
+                   if isinstance(x, torch.Tensor))
+    assert first.writes.stage_at.data_ptr() != again.writes.stage_at.data_ptr()
+    book = planner.book.page_of.copy()
+    sealing = planner.plan(starts, np.array([24, 5]), run.table[:2])  # group 2 of row 0
+    assert sealing.sealed == 1 and sealing.rows.floats[0, 1] == 7  # 7 staged, then itself
+    assert planner.book.page_of.tolist() == book.tolist()  # nothing ran: nothing committed
 
 
 def test_micro_batching_is_refused_by_name():

@@ -231,6 +231,12 @@ class Method:
         """Theoretical stored bits per key element and per value element of a block."""
         raise NotImplementedError
 
+    def unfused(self) -> str:
+        """Why this instance's blocks have no fused decode path ("" when the fused kernels read
+        them through ``kernel_view``)."""
+        return f"{self.name} has no fused decode path in kvmix" \
+            if self.fast_path.startswith("reference only") else ""
+
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         """One sequence's blocks (tensors [1, n, ...]) as the fused decode ops read them, or
         None where this configuration has no fast path (the reference path serves it)."""

@@ -183,6 +183,10 @@ class KxVy(Method):
         return keys, values
 
 
+    def unfused(self) -> str:
+        return "" if self.backend == "native" else \
+            f"kxvy:backend={self.backend} decodes through its library (the reference path)"
+
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         if self.backend != "native":
             return None

@@ -247,6 +247,10 @@ class PNMix(PerTokenValues):
                            index.to(torch.uint8) if self.selection == "online" else None)
         return stored, self.encode_values(values)
 
+    def unfused(self) -> str:
+        return "pnmix:selection=online picks each block's channels (the reference path)" \
+            if self.selection == "online" else ""
+
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         """Two planes: the low plane of every channel (for a high channel, its top bits, worth
         2^shift) and the refinement plane of the high channels."""

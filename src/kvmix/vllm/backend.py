@@ -31,17 +31,17 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from kvmix.runtime.steps import Staged
 from kvmix.vllm import SELECTOR
 from kvmix.vllm.layer import (
     LayerCache,
     OpenGroups,
     kernels,
+    readers,
     staging_nbytes,
     token_values_unserved,
 )
 from kvmix.vllm.pages import layout
-from kvmix.vllm.plan import Staging, StepPlan, idle_plan, plan_step
+from kvmix.vllm.plan import Planner, StepPlan, idle_plan
 from kvmix.vllm.settings import Refused, Settings, resolve
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
@@ -135,26 +135,18 @@ class KvmixMetadata:
 
 
 class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
-    """Plans each step once for every layer (``plan_step``) and keeps the staging book."""
+    """Plans each step once for every layer (``Planner``: its staging slots committed once the
+    step has run)."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.settings = resolve(vllm_config)
-        self.block_size = kv_cache_spec.block_size
-        slots = vllm_config.scheduler_config.max_num_seqs
-        self.staging = Staging(slots)
-        # each step's plan is views of one buffer, refilled by the next step's plan: safe as a
-        # step's plan is read before the next is built (no CUDA graphs, no micro-batches, no
-        # speculative drafts; the idle plan has a buffer of its own)
-        self.uploads = Staged()
-        settings = self.settings
-        # prefill chunks through the layers' kernels too (as ``LayerCache`` chooses them)
-        self.fused = kernels(settings.kernels, settings.method, settings.spec.head_dim,
-                             settings.dtype, device) != "torch"
-        self.idle = idle_plan(settings.group, self.block_size, device)
+        self.settings = settings = resolve(vllm_config)
+        plans_for = readers(settings, kv_cache_spec.block_size, device)
+        self.planner = Planner(plans_for, vllm_config.scheduler_config.max_num_seqs, device)
+        self.idle = idle_plan(plans_for, device)
         logger.info("%s", startup_line(vllm_config, settings, kv_cache_spec, device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -169,11 +161,8 @@ class KvmixMetadataBuilder(AttentionMetadataBuilder[KvmixMetadata]):
             # a dummy batch (vLLM's warm-up, profile and graph-capture runs: every row on the
             # null block): attends to nothing, changes nothing
             return KvmixMetadata(self.idle, meta.num_actual_tokens)
-        plan = plan_step(self.staging, self.settings.group, self.block_size, starts,
-                         lengths.cpu().numpy().astype(np.int64)[:rows], table, self.device,
-                         self.fused, self.settings.prefill == "exact",
-                         None if requests is None else np.asarray(requests)[:rows],
-                         self.uploads)
+        plan = self.planner.plan(starts, lengths.cpu().numpy().astype(np.int64)[:rows], table,
+                                 None if requests is None else np.asarray(requests)[:rows])
         return KvmixMetadata(plan, meta.num_actual_tokens)
 
 
@@ -237,7 +226,7 @@ def startup_line(config: VllmConfig, settings: Settings, spec: AttentionSpec,
     blocks = config.cache_config.num_gpu_blocks
     held = f"{blocks} blocks of {spec.block_size} = {blocks * spec.block_size} tokens a rank" \
         if blocks else "blocks as vLLM sizes them"
-    chosen = kernels(settings.kernels, method, settings.spec.head_dim, settings.dtype, device)
+    chosen = kernels(settings, device)
     return (f"kvmix: {settings.text} ({keys:.2f} bits a key element, {values:.2f} a value; "
             f"{settings.spec.n_kv_heads} KV heads a rank) in vLLM's cache: "
             f"{page_bytes(settings, settings.dtype)} bytes a page of {settings.group} tokens, "

@@ -26,6 +26,7 @@ where the op reads a row's own group's values; a seal encodes keys only.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -35,14 +36,14 @@ import torch
 from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import map_tensors, tagged_tensors
-from kvmix.methods import Blocks, Method
+from kvmix.methods import Blocks
 from kvmix.runtime.accounting import open_groups_bytes
 from kvmix.runtime.arena import SlotArena
-from kvmix.runtime.kernels import batch, cpu, gpu, triton_unusable
+from kvmix.runtime.kernels import Unserved, batch, choose, cpu, gpu
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
 from kvmix.vllm.pages import Page, layout
-from kvmix.vllm.plan import Chunk, StepPlan
+from kvmix.vllm.plan import Chunk, KernelRows, Readers, StepPlan
 from kvmix.vllm.settings import Refused, Settings, token_value_probes
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
@@ -86,7 +87,7 @@ class LayerCache:
         self.within = torch.arange(method.group, device=device)  # a group's slots
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
-        self.kernels = kernels(settings.kernels, method, spec.head_dim, dtype, device)
+        self.kernels = kernels(settings, device)
         self.transforms = [name for name, heads in (("transform_queries", spec.n_heads),
                                                     ("transform_keys", spec.n_kv_heads))
                            if _changes(getattr(method, name), layer,
@@ -126,33 +127,29 @@ class LayerCache:
 
         Every new key and value is taken as the staging holds it (in its dtype), whether it is
         staged, sealed or attended in this step: what a token is does not depend on how vLLM
-        schedules it."""
+        schedules it. Who writes what, in order: the seals gather staged and new tokens into
+        pages; every row reads the staging; then the new tokens are staged (by the CPU op
+        where ``plan.writes.by_op``, else here)."""
+        plan.ran = True
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
-        if self._op_stages(plan) and not plan.sealed:  # one op call: no token laid out here
-            self._decode(plan, query, None, (key, value), scale, output)
+        if plan.writes.by_op and plan.seals is None:  # one op call: no token laid out here
+            self._attend(plan, query, (key, value), scale, output)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
-        if plan.sealed:
+        if plan.seals is not None:
             self._seal(plan, query, kv, sums)
-        if plan.decode_tokens.numel():  # with values="token", the op puts the values first
-            self._decode(plan, query, kv, new if self.staged_values else (key, value), scale,
-                         output)
+        if plan.rows is not None:  # with values="token", the op puts the values first
+            self._attend(plan, query, new if self.staged_values else (key, value), scale,
+                         output, new)
         elif not self.staged_values and plan.tokens:  # no op call (nor a dummy batch's step)
             self._put_values(plan, value)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
-        if not self._op_stages(plan):
+        if not plan.writes.by_op:
             self._stage(plan, new)
-
-    def _op_stages(self, plan: StepPlan) -> bool:
-        """Whether the CPU op stages the step's new tokens (after every kernel row has read the
-        staging): it reads the staging in place and no chunk through the reference path reads
-        it after the op."""
-        return (self.kernels == "cpu" and self.staged.dtype in cpu.SEGMENT_DTYPES
-                and not plan.chunks and plan.decode_tokens.numel() > 0)
 
     def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
@@ -162,8 +159,8 @@ class LayerCache:
         return getattr(self.method, name)(_heads_first(x), self.layer)[0].transpose(0, 1)
 
     def _new_tokens(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        """key, value [N, H, D] -> [2, H, N, D] in the staging dtype (contiguous: the CPU op
-        reads the kernel rows' new tokens in it)."""
+        """key, value [N, H, D] -> [2, H, N, D] in the staging dtype (contiguous: the kernels
+        read the kernel rows' new tokens in it)."""
         N, H, D = key.shape
         new = torch.empty(2, H, N, D, dtype=self.staged.dtype, device=key.device)
         new[0].copy_(key.transpose(0, 1))
@@ -172,75 +169,66 @@ class LayerCache:
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _decode(self, plan: StepPlan, query, kv, new, scale: float, output) -> None:
+    def _attend(self, plan: StepPlan, query, given, scale: float, output,
+                new: torch.Tensor | None = None) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
-        kernels (or, without them, row by row). The CPU op reads each row's floats where they
-        lie (the staging, the step's ``new`` tokens [2, H, N, D] or (key, value) it lays out
-        itself: ``_cpu_floats``) and stages the new tokens where ``_op_stages``; the other paths
-        read the step's float buffer."""
-        tokens = plan.decode_tokens
+        kernels (or, without them, row by row), each reading its own group's floats where they
+        lie (``KernelRows.floats``): the staging, then the step's tokens ``new`` [2, H, N, D]
+        in the staging dtype. The CPU op takes them as ``given``: ``new``, or (key, value)
+        [N, H, D] it lays out itself."""
+        rows = plan.rows
         if self.kernels == "torch":
-            context = self._context(plan, kv)
-            for row, token in enumerate(tokens.tolist()):
-                self._reference(plan, row, token, query, context, scale, output)
+            for k, token in enumerate(rows.tokens.tolist()):
+                self._reference(rows, k, token, query, new, scale, output)
             return
         pool = self._pool_view(plan)
-        rows = query if plan.every_token else query[tokens]
-        rows = rows.float().contiguous()  # [Rd, Hq, D]
+        queries = query if rows.every_token else query[rows.tokens]
+        queries = queries.float().contiguous()  # [K, Hq, D]
         if self.kernels == "triton":
-            table = Table(plan.table, plan.held, plan.counts, plan.table.shape[1])
-            out = gpu.decode_pages(pool, table, rows, scale, self.method.group,
-                                   (*self._context(plan, kv), plan.spans))
+            table = Table(rows.table, rows.held, rows.counts, rows.table.shape[1])
+            out = gpu.decode_pages(pool, table, queries, scale, self.method.group,
+                                   (self.staged.keys, self.staged.values, rows.floats),
+                                   step=(new[0:1], new[1:2]))
         else:
-            *floats, tokens_in = self._cpu_floats(plan, kv, new)
-            out = cpu.call("decode_batch", rows, scale, *floats, self.method.group, plan.table,
-                           plan.held, plan.counts,
-                           *batch.arguments(pool, "cpu", cpu.built_arguments), **tokens_in)
-        if plan.every_token:
+            keys, values, tokens = self._cpu_floats(plan, given)
+            out = cpu.call("decode_batch", queries, scale, keys, values, rows.floats,
+                           self.method.group, rows.table, rows.held, rows.counts,
+                           *batch.arguments(pool, "cpu", cpu.built_arguments), **tokens)
+        if rows.every_token:
             output.copy_(out)
         else:
-            output[tokens] = out.to(output.dtype)
+            output[rows.tokens] = out.to(output.dtype)
 
-    def _cpu_floats(self, plan: StepPlan, kv, new) -> tuple:
-        """What the CPU op reads of the rows' floats: slot keys, slot values, spans and the
-        step's keyword arguments — the staging [1, H, slots·G, D] and the step's new tokens in
-        place (``inplace_spans``): laid out [2, H, N, D] (``new``), or, as (key, value) [N, H,
-        D], laid out by the op; with no chunk to read the staging after the op, the op then
-        stages the new tokens (``stage_at``). For a staging the op does not read (bfloat16), the
-        step's float buffer widened (``spans``). With ``values="token"`` the op first puts the
-        new values into their pages (``value_at``) and reads each row's own values from its
-        page (``value_pages``): the slot values passed are the keys again, never read."""
-        if isinstance(new, tuple):
-            tokens = {"new_keys": new[0], "new_values": new[1]}
-        elif new.dtype in cpu.SEGMENT_DTYPES:
-            tokens = {"step_keys": new[0:1], "step_values": new[1:2]}
+    def _cpu_floats(self, plan: StepPlan, given) -> tuple:
+        """What the CPU op reads besides the pool: the staging's keys and values [1, H,
+        slots·G, D] and the step's tokens, laid out [2, H, N, D] or as (key, value) [N, H, D]
+        for the op to lay out; where ``plan.writes.by_op`` the op then stages them
+        (``stage_at``). With ``values="token"`` the op first puts the new values into their
+        pages (``value_at``) and reads each row's own values from its page (``value_pages``):
+        the staging values passed are the keys again, never read."""
+        if isinstance(given, tuple):
+            tokens = {"new_keys": given[0], "new_values": given[1]}
         else:
-            return (*self._context(plan, kv).float(), plan.spans, {})
-        if self._op_stages(plan):
-            tokens["stage_at"] = plan.stage_at
+            tokens = {"step_keys": given[0:1], "step_values": given[1:2]}
+        if plan.writes.by_op:
+            tokens["stage_at"] = plan.writes.stage_at
         if not self.staged_values:  # the op puts the values into pages and reads them there
-            tokens.update(value_pages=plan.own_pages, value_at=plan.value_at)
-            return self.staged.keys, self.staged.keys, plan.inplace_spans, tokens
-        return self.staged.keys, self.staged.values, plan.inplace_spans, tokens
+            tokens.update(value_pages=plan.rows.own_pages, value_at=plan.writes.value_at)
+            return self.staged.keys, self.staged.keys, tokens
+        return self.staged.keys, self.staged.values, tokens
 
-    def _context(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
-        """The step's float buffer: each kernel row's group (staged tokens, then new ones) once
-        for all its rows, keys and values [2, 1, H, U·G, D] in the staging dtype (the rows'
-        ``spans`` place them)."""
-        slots = self.staged.positions(plan.float_slots[:, None], self.within)  # [U, G]
-        buffer = torch.stack(self.staged.take(slots)).flatten(1, 2)  # [2, U·G, H, D]
-        buffer[:, plan.context_slots] = kv[plan.decode_tokens].transpose(0, 1)
-        return buffer.permute(0, 2, 1, 3).unsqueeze(1).contiguous()
-
-    def _reference(self, plan: StepPlan, row: int, token: int, query, context, scale,
-                   output) -> None:
-        """One decode row through the reference path."""
-        pages = plan.table[row, : int(plan.counts[row])].tolist()
-        start, used = plan.spans[row, 2:].tolist()
-        keys, values = context[:, :, :, start : start + used].float()
-        history = self._history(pages, plan.decode_first[row], torch.float32)
-        keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, (keys, values),
-                                                                   strict=True))
+    def _reference(self, rows: KernelRows, k: int, token: int, query, new: torch.Tensor,
+                   scale, output) -> None:
+        """Kernel row ``k`` (the step's token ``token``) through the reference path: its pages
+        decoded, then its own group's floats, staged and new."""
+        pages = rows.table[k, : int(rows.counts[k])].tolist()
+        staged_at, staged, new_at, count = rows.floats[k].tolist()
+        floats = [torch.cat([held[:, :, staged_at : staged_at + staged],
+                             laid[:, :, new_at : new_at + count]], -2).float()
+                  for held, laid in ((self.staged.keys, new[0:1]), (self.staged.values, new[1:2]))]
+        first = None if rows.first_pages is None else rows.first_pages[k]
+        history = self._history(pages, first, torch.float32)
+        keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, floats, strict=True))
         out = sdpa(_heads_first(query[token : token + 1]).float(), keys, values, scale)
         output[token] = out[0, :, 0].to(output.dtype)
 
@@ -297,8 +285,8 @@ class LayerCache:
         """The pool as the kernels read it, with each decode row's selection (rebuilt only when
         the rows' first pages, or the selections stored, change). Without selections the CPU
         op reads one for every row; the Triton kernels index a row's own."""
-        rows = len(plan.decode_first) if self.kernels == "triton" else 1
-        firsts = None if self.pages.selection is None else plan.decode_first
+        rows = plan.rows.count if self.kernels == "triton" else 1
+        firsts = None if self.pages.selection is None else plan.rows.first_pages
         key = (self._selected, firsts, rows)
         if self._views[0] != key or self._views[1] is None:
             pool = map_tensors(self.pages.blocks, lambda t: t.unsqueeze(0))
@@ -322,34 +310,35 @@ class LayerCache:
     def _seal(self, plan: StepPlan, query, kv, sums: torch.Tensor | None) -> None:
         """Encode every group completed this step into its page, in one call (its keys only
         with ``values="token"``: its values are in the page already)."""
-        keys, values = (*self._groups(plan, kv), None)[:2]  # [E, H, G, D]
+        groups = self._groups(plan, kv)  # [2 (1: keys only), E, H, G, D]
+        keys, values = groups[0], groups[1] if self.staged_values else None
         selection = None
         if self.pages.selection is not None:
             self._select(plan, sums, keys, values)
             if self.exact:
                 self._select_prefills(plan, query, kv)
-            selection = self._selection(plan.seal_first)
-            _write(self.pages.selection, selection, plan.seal_pages)  # each page self-describing
+            selection = self._selection(plan.seals.first_pages)
+            _write(self.pages.selection, selection, plan.seals.pages)  # self-describing pages
         with fused_encoding(self.kernels):  # kvmix's own runtime encodes in its kernels too
             # (keys only: encode's values of the keys themselves are computed and dropped)
             sealed = Blocks(*self.method.encode(keys, keys if values is None else values,
                                                 self.layer, selection))
         if values is None:
-            _write(self.pages.blocks.keys, sealed.keys, plan.seal_pages)
+            _write(self.pages.blocks.keys, sealed.keys, plan.seals.pages)
         else:
-            _write(self.pages.blocks, sealed, plan.seal_pages)
+            _write(self.pages.blocks, sealed, plan.seals.pages)
 
     def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
         model's dtype ([1, E, H, G, D], keys only, with ``values="token"``; a view of a
         token-major buffer, every token of it written)."""
-        (_, H, _, D), G = self.staged.keys.shape, self.method.group
-        staged = self.staged.take(plan.carry_positions)  # keys (and values) [n, H, D]
+        (_, H, _, D), G, seals = self.staged.keys.shape, self.method.group, plan.seals
+        staged = self.staged.take(seals.carried)  # keys (and values) [c, H, D]
         n = len(staged)
-        tokens = kv.new_empty(plan.sealed * G, n, H, D, dtype=self.dtype)  # [E·G, n, H, D]
-        tokens.index_copy_(0, plan.carry_at, torch.stack(staged, 1).to(self.dtype))
-        tokens.index_copy_(0, plan.seal_at, kv[plan.seal_tokens, :n].to(self.dtype))
-        return tokens.view(plan.sealed, G, n, H, D).permute(2, 0, 3, 1, 4)
+        tokens = kv.new_empty(seals.count * G, n, H, D, dtype=self.dtype)  # [E·G, n, H, D]
+        tokens.index_copy_(0, seals.carried_at, torch.stack(staged, 1).to(self.dtype))
+        tokens.index_copy_(0, seals.tokens_at, kv[seals.tokens, :n].to(self.dtype))
+        return tokens.view(seals.count, G, n, H, D).permute(2, 0, 3, 1, 4)
 
     def _put_values(self, plan: StepPlan, value: torch.Tensor) -> None:
         """value [N, H, D] of the step's tokens, as the staging would round them, encoded
@@ -363,20 +352,21 @@ class LayerCache:
         for (_, target), (_, source) in zip(tagged_tensors(self.pages.blocks.values, ""),
                                             tagged_tensors(encoded, ""), strict=True):
             # per page [H, G, ...] <- per token [H, 1, ...]: codes and statistics alike
-            target.view(P, H, G, -1)[plan.value_at // G, :, plan.value_at % G] = \
+            at = plan.writes.value_at
+            target.view(P, H, G, -1)[at // G, :, at % G] = \
                 source.view(N, H, -1).to(target.dtype)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
                 values: torch.Tensor | None) -> None:
         """Selections of the rows whose first group is sealed now, into their first pages."""
-        if not plan.selects:
+        if not plan.seals.selects:
             return
-        first = plan.first_entries
+        first = plan.seals.firsts
         tokens = torch.full((len(first),), float(self.method.group), device=keys.device)
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer,
                                          None if values is None else values[first])
-        _write(self.pages.selection, chosen, plan.seal_pages[first])
+        _write(self.pages.selection, chosen, plan.seals.pages[first])
         self._selected += 1
 
     def _select_prefills(self, plan: StepPlan, query, kv) -> None:
@@ -397,23 +387,34 @@ class LayerCache:
         """Query sums of first groups: per sealed group [E, H, C], its slot's and its new
         tokens'; the new tokens of first groups still open added to their slots (restarted
         where a group opens: a slot sealed now may open another row's group)."""
-        if self.sums is None or not plan.sum_tokens.numel():  # no first group's token
+        if self.sums is None or plan.sums is None:  # no first group's token
             return None
-        new = self.method.query_sums(query[plan.sum_tokens].unsqueeze(2))
+        sums = plan.sums
+        new = self.method.query_sums(query[sums.tokens].unsqueeze(2))
         sealed = self.sums.new_zeros(plan.sealed, *self.sums.shape[1:])
-        sealed.index_add_(0, plan.sum_rows[plan.sum_sealed], new[plan.sum_sealed])
-        carried = plan.carry_sums >= 0
-        firsts = plan.first_entries[carried]
-        sealed[firsts] += self.sums[plan.carry_sums[carried]]
-        self.sums.index_fill_(0, plan.new_slots, 0.0)
-        self.sums.index_add_(0, plan.sum_rows[~plan.sum_sealed], new[~plan.sum_sealed])
+        sealed.index_add_(0, sums.into[sums.sealed], new[sums.sealed])
+        if plan.seals is not None:
+            carried = sums.carried >= 0
+            sealed[plan.seals.firsts[carried]] += self.sums[sums.carried[carried]]
+        self.sums.index_fill_(0, sums.restart, 0.0)
+        self.sums.index_add_(0, sums.into[~sums.sealed], new[~sums.sealed])
         return sealed
 
     def _stage(self, plan: StepPlan, new: torch.Tensor) -> None:
         """The new tokens [2, H, N, D] of groups still open into their slots."""
-        if not plan.all_staged:
-            new = new[:, :, plan.staged_tokens]  # [2, H, n, D]
-        self.staged.put(plan.staged_positions, *new.transpose(1, 2))
+        writes = plan.writes
+        if not writes.all_staged:
+            new = new[:, :, writes.staged]  # [2, H, n, D]
+        self.staged.put(writes.staged_at, *new.transpose(1, 2))
+
+
+def readers(settings: Settings, block_size: int, device: torch.device) -> Readers:
+    """What reads the plans of an engine with ``settings`` (``Readers``)."""
+    method, spec = settings.method, settings.spec
+    probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
+    return Readers(method.group, block_size, kernels(settings, device),
+                   settings.prefill == "exact", not settings.staged_values, probe is not None,
+                   layout(method, spec, 0, settings.dtype).template.selection is not None)
 
 
 def _changes(transform, layer: int, probe: torch.Tensor) -> bool:
@@ -443,32 +444,30 @@ def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
         target.index_copy_(0, index, source.to(target.dtype))
 
 
-def kernels(asked: str, method: Method, head_dim: int, dtype: torch.dtype,
-            device: torch.device) -> str:
-    """The kernels decode rows go through: kvmix's fused CPU op (``cpu``), its Triton kernels
-    (``triton``) or the reference path (``torch``). ``auto``: the CPU op on CPU, Triton
-    elsewhere, else the reference path, with a warning naming why; kernels asked for by name
-    that cannot read this cache are ``Refused``."""
-    choice = asked if asked != "auto" else "cpu" if device.type == "cpu" else "triton"
-    reason = "" if choice == "torch" else _unserved(choice, method, head_dim, dtype, device)
-    if reason and asked != "auto":
-        raise Refused(f"kernels={asked!r} cannot be honoured: {reason}")
+@functools.cache
+def kernels(settings: Settings, device: torch.device) -> str:
+    """The kernels decode rows go through for ``settings`` on ``device`` (the runtime's
+    ``choose``), decided once per engine: a warning names why the reference path runs where
+    ``auto`` falls back to it; kernels asked for by name that cannot read the cache are
+    ``Refused``."""
+    try:
+        choice, reason = choose(settings.kernels, settings.method, settings.spec.head_dim,
+                                settings.dtype, device)
+    except Unserved as error:
+        raise Refused(str(error)) from error
     if reason:
         logger.warning("kvmix: decode through the reference path: %s", reason)
-    return "torch" if reason else choice
+    return choice
 
 
 def token_values_unserved(settings: Settings, device: torch.device) -> str:
     """Why ``values="token"`` cannot run with ``settings`` on ``device`` ("" when it can): the
-    CPU op alone reads a row's own values from its page, from a staging it reads in place, and
-    its encoder quantizes groups of a power of two from 8 to 256 channels."""
-    chosen = kernels(settings.kernels, settings.method, settings.spec.head_dim, settings.dtype,
-                     device)
+    CPU op alone reads a row's own values from its page, and its encoder quantizes groups of a
+    power of two from 8 to 256 channels."""
+    chosen = kernels(settings, device)
     if chosen != "cpu":
         return (f"a row's own values are read from its page by kvmix's CPU op only (kernels: "
                 f"{chosen})")
-    if settings.staging not in cpu.SEGMENT_DTYPES:
-        return f"the CPU op reads a staging of float32 or float16, not {settings.staging}"
     for probe in token_value_probes(settings.method, settings.spec):
         if probe is None:
             return f"{settings.method.name}'s values are not per-token groups"
@@ -478,17 +477,3 @@ def token_values_unserved(settings: Settings, device: torch.device) -> str:
                     f"two from 8 to {fused.CPU_MAX_GROUP})")
     return ""
 
-
-def _unserved(choice: str, method: Method, head_dim: int, dtype: torch.dtype,
-              device: torch.device) -> str:
-    """Why ``choice``'s kernels cannot decode this cache ("" when they can)."""
-    if method.fast_path.startswith("reference only"):
-        return f"{method.name} has no fused decode path in kvmix"
-    if choice == "triton":
-        return triton_unusable(device) or gpu.unserved(method, head_dim)
-    if device.type != "cpu":
-        return f"the cache is on {device.type} (the CPU op reads the CPU's memory)"
-    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
-    if not reason and not method.quantizes and dtype != torch.float32:
-        reason = f"float pages of {dtype} (the op reads float32)"
-    return reason

@@ -23,6 +23,7 @@ import torch
 
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, Method, ModelSpec
+from kvmix.runtime.plugin_settings import Refused
 
 
 @dataclass
@@ -74,6 +75,11 @@ def layout(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> L
     encoded (the shapes and dtypes of its state) and the selection ``select_from`` makes."""
     keys = torch.zeros(1, spec.n_kv_heads, method.group, spec.head_dim, dtype=dtype)
     queries = torch.zeros(1, spec.n_heads, 1, spec.head_dim)
-    selection = method.select_from(method.query_sums(queries), torch.ones(1), keys, layer, keys)
+    try:  # a page's selection is made from the first group's query sums and tokens
+        selection = method.select_from(method.query_sums(queries), torch.ones(1), keys, layer,
+                                       keys)
+    except NotImplementedError as error:
+        raise Refused(f"{method.name} cannot select from a sequence's first group inside vLLM "
+                      f"({error})") from error
     state = Blocks(*method.encode(keys, keys, layer, selection))
     return Layout(Page(state, selection))

@@ -1,21 +1,24 @@
 """One vLLM step for every layer: where each new token goes, which groups it seals, what each
-row attends to — planned once on the host (numpy, no loop over requests) by the backend's
-metadata builder and read by every layer.
+row attends to — built once per step on the host by the backend's metadata builder, a pure
+function of the step's inputs and the slots its open groups are staged in, and read by every
+layer.
 
 Per row (a request in the step) with ``c`` tokens computed before and ``n`` new ones, and
 ``G`` tokens per group:
 
 * its history is the pages of its groups ``0 .. c // G - 1``, sealed in earlier steps, found
   through vLLM's block table;
-* the ``c % G`` tokens of its open group wait as floats in a staging slot (``Staging``), found
-  by the open group's page;
+* the ``c % G`` tokens of its open group wait as floats in a staging slot (``RequestSlots``:
+  its request's slot in vLLM's model runner; ``PageSlots``: a slot found by the open group's
+  page, on runners that give a backend no request identity);
 * every group the new tokens complete is sealed this step: its staged tokens and its new ones
   gathered into one float group, all rows' groups encoded in one call;
 * the new tokens of a group still open go to its staging slot.
 
 Each new token attends as a decode at its position would: to the groups before its own, packed
-(sealed earlier or in this step), and to its own group's tokens up to it, as floats. With the
-fused kernels (``fused``) every such token is a row of one kernel call, a prefill chunk's
+(sealed earlier or in this step), and to its own group's tokens up to it, as floats — read
+where they lie: the staged ones in the staging, the new ones in the step's tokens. With the
+fused kernels every such token is a row of one kernel call (``KernelRows``), a prefill chunk's
 tokens as much as a decode's: a token's output is then the same attention however it is
 scheduled, equal up to float32 reassociation (the op's work splits follow the batch). A prompt's
 outputs do not depend on how vLLM chunks it, on how much of it came from the prefix cache, or on
@@ -24,47 +27,180 @@ where the kernels round differently from the reference path (the CPU op's intege
 products).
 
 A row's first group also decides its selection (PN-Mix's pairs, ...): the query sums of its
-tokens are kept with the slot until the group is sealed (``query_sums``), and a row's later
+tokens are kept with the slot until the group is sealed (``QuerySums``), and a row's later
 groups copy the selection from its first page.
+
+A plan is grouped by who reads it, each group built only in a step that runs its reader, and
+every array named with the index space it lives in: R the step's rows (requests), N its tokens,
+E the groups it seals, K the kernel rows. Its arrays reach the device in one copy.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-
-from kvmix.runtime import steps
 
 QUERY_TOKENS = 64  # a chunk's queries attend in blocks of about this many positions
 
 
 class StagingLost(RuntimeError):
-    """A running request's open group is no longer staged (see ``Staging.take``)."""
+    """A running request's open group is no longer staged (see ``PageSlots.take``)."""
 
 
-class Staging:
-    """Which staging slot holds the open group of which page: ``slots`` slots, one per running
-    sequence (vLLM runs at most ``max_num_seqs``), and per page its slot (-1: none).
+# -- the step's inputs ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Readers:
+    """What reads a plan, fixed for an engine: ``group`` tokens a page, ``block_size`` tokens a
+    vLLM block, the ``kernels`` decode rows go through (``cpu``, ``triton`` or ``torch``: the
+    reference path; the CPU op stages the new tokens itself), ``exact`` (a prompt's first chunk
+    attends in float), ``token_values``
+    (values go to pages as they arrive), ``sums`` (the method keeps query sums of first groups)
+    and ``selects`` (pages carry a selection)."""
+
+    group: int
+    block_size: int
+    kernels: str = "cpu"
+    exact: bool = False
+    token_values: bool = False
+    sums: bool = False
+    selects: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Prefill chunks' tokens are kernel rows too (the fused kernels attend them)."""
+        return self.kernels != "torch"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A step's R rows on the host (int64): ``starts`` [R + 1] each row's first token (vLLM's
+    query_start_loc), ``lengths`` [R] the tokens it holds after the step (seq_lens),
+    ``block_table`` [R, W], ``requests`` [R] its request slot in vLLM's model runner (Model
+    Runner V2's ``req_idx``) or None; ``group`` tokens a page, ``block_size`` a block."""
+
+    starts: np.ndarray
+    lengths: np.ndarray
+    block_table: np.ndarray
+    group: int
+    block_size: int
+    requests: np.ndarray | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def new(self) -> np.ndarray:  # [R]
+        return np.diff(self.starts)
+
+    @property
+    def before(self) -> np.ndarray:  # [R] tokens held before the step
+        return self.lengths - self.new
+
+    @property
+    def opened(self) -> np.ndarray:  # [R] the group open before the step
+        return self.before // self.group
+
+    @property
+    def done(self) -> np.ndarray:  # [R] groups complete after the step
+        return self.lengths // self.group
+
+    @property
+    def staged(self) -> np.ndarray:  # [R] tokens of the open group staged before the step
+        return self.before % self.group
+
+    def page(self, row: np.ndarray, g: np.ndarray) -> np.ndarray:
+        """The page of group ``g`` of row ``row`` (arrays of one shape)."""
+        tokens = g * self.group
+        return (self.block_table[row, tokens // self.block_size] * (self.block_size // self.group)
+                + tokens % self.block_size // self.group)
+
+
+# -- staging slots ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slots:
+    """A step's staging slots, [R]: the slot holding each row's open group before the step and
+    after it (-1: none), and the slot book once the step has run (``PageSlots`` only)."""
+
+    before: np.ndarray
+    after: np.ndarray
+    book: PageSlots | None = None
+
+
+class RequestSlots:
+    """A row's staging slot is its request's slot in vLLM's model runner (``req_idx``): held by
+    the request from its first step to vLLM's removal of it (finished, aborted or preempted),
+    scheduled in a step or not, and handed to the next request only then. Nothing to keep."""
+
+    @staticmethod
+    def assign(rows: Rows) -> Slots:
+        return Slots(np.where(rows.staged > 0, rows.requests, -1),
+                     np.where(rows.lengths % rows.group > 0, rows.requests, -1))
+
+
+class PageSlots:
+    """Staging slots found by the open group's page (vLLM's V1 runner gives a backend no
+    request identity; a page being filled belongs to one request): ``slots`` slots, one per
+    running sequence (vLLM runs at most ``max_num_seqs``), ``page_of`` [slots] the page whose
+    open group each holds (-1: free).
 
     A slot is taken when a group opens and given back when it is sealed. A request that ends
     (or is preempted) with an open group leaves its slot behind: it is given back when its page
     is used again, or, when every slot is taken, the slot no row of the step uses that was used
     longest ago is reclaimed. A row that then finds its open group gone raises ``StagingLost``
-    (it never attends to another sequence's tokens)."""
+    (it never attends to another sequence's tokens).
 
-    def __init__(self, slots: int, pages: int = 0):
+    ``assign`` is pure: it returns the step's slots and the book as it will be once the step
+    has run, which ``commit`` adopts."""
+
+    def __init__(self, slots: int):
         self.slots = slots
-        self.page_of = np.full(slots, -1, dtype=np.int64)  # per slot: its page, -1: free
-        self.slot_of = np.full(pages, -1, dtype=np.int64)  # per page: its slot, -1: none
+        self.page_of = np.full(slots, -1, dtype=np.int64)
         self.used = np.zeros(slots, dtype=np.int64)  # per slot: the last step that used it
         self.step = 0
 
+    def assign(self, rows: Rows) -> Slots:
+        every, staged = np.arange(rows.count), rows.staged
+        has = staged > 0
+        before = np.full(rows.count, -1, dtype=np.int64)
+        before[has] = self.find(rows.page(every[has], rows.opened[has]))
+        lost = has & (before < 0)
+        if lost.any():
+            raise StagingLost(f"kvmix: the open group of {int(lost.sum())} running request(s) "
+                              "was reclaimed while they were not scheduled; raise max_num_seqs")
+        sealing = rows.done > rows.opened
+        tail = rows.lengths % rows.group > 0
+        continuing = tail & ~sealing & has
+        opening = tail & ~continuing
+        after = np.where(continuing, before, -1)
+        book = self._copy()
+        # the slots of groups sealed now are free for groups opening now (a layer reads every
+        # staged token before it stages new ones), and stale slots of ended requests go back
+        count = rows.done - rows.opened
+        entry_row = np.repeat(every, count)
+        book.give_back(rows.page(entry_row, _entry_groups(rows.opened, count)))
+        after[opening] = book.take(rows.page(every[opening], rows.done[opening]),
+                                   keep=before[continuing])
+        book.touch(np.concatenate([before, after]))
+        return Slots(before, after, book)
+
+    def commit(self, slots: Slots) -> None:
+        """The step ``slots`` were assigned for has run: its book is the book."""
+        self.page_of, self.used, self.step = slots.book.page_of, slots.book.used, slots.book.step
+
     def find(self, pages: np.ndarray) -> np.ndarray:
         """The slot of each page's open group (-1: none)."""
-        self._cover(pages)
-        return self.slot_of[pages]
+        order = np.argsort(self.page_of, kind="stable")
+        held = self.page_of[order]
+        at = np.minimum(np.searchsorted(held, pages), len(held) - 1)
+        return np.where(held[at] == pages, order[at], -1) if len(held) else \
+            np.full(len(pages), -1, dtype=np.int64)
 
     def take(self, pages: np.ndarray, keep: np.ndarray) -> np.ndarray:
         """Slots for groups opening at ``pages`` (a page's old slot if it still has one);
@@ -76,25 +212,22 @@ class Staging:
             free = np.concatenate([free, self._reclaim(need - len(free), keep, slots)])
         slots[slots < 0] = free[:need]
         self.page_of[slots] = pages
-        self.slot_of[pages] = slots
         return slots
 
     def give_back(self, pages: np.ndarray) -> None:
         """The groups of ``pages`` are sealed: their slots are free."""
         slots = self.find(pages)
         self.page_of[slots[slots >= 0]] = -1
-        self.slot_of[pages] = -1
 
     def touch(self, slots: np.ndarray) -> None:
         self.step += 1
         self.used[slots[slots >= 0]] = self.step
 
-    def _cover(self, pages: np.ndarray) -> None:
-        top = int(pages.max(initial=-1)) + 1
-        if top > len(self.slot_of):
-            grown = np.full(max(top, 2 * len(self.slot_of)), -1, dtype=np.int64)
-            grown[: len(self.slot_of)] = self.slot_of
-            self.slot_of = grown
+    def _copy(self) -> PageSlots:
+        book = PageSlots.__new__(PageSlots)
+        book.slots, book.step = self.slots, self.step
+        book.page_of, book.used = self.page_of.copy(), self.used.copy()
+        return book
 
     def _reclaim(self, count: int, keep: np.ndarray, taking: np.ndarray) -> np.ndarray:
         held = np.flatnonzero(self.page_of >= 0)
@@ -103,77 +236,132 @@ class Staging:
             raise StagingLost(f"kvmix: {count} more open groups than staging slots "
                               f"({self.slots}, one per running sequence): raise max_num_seqs")
         oldest = held[np.argsort(self.used[held], kind="stable")[:count]]
-        self.give_back(self.page_of[oldest])
+        self.page_of[oldest] = -1
         return oldest
+
+
+class Planner:
+    """A step's plan from vLLM's description of it, with its staging slots: vLLM's request
+    slots where the runner gives them, else ``PageSlots``, whose assignment is committed once a
+    layer has run the step (``StepPlan.ran``) — a plan built again for the same step, or built
+    and dropped, is the same plan and changes nothing."""
+
+    def __init__(self, readers: Readers, slots: int, device: torch.device):
+        self.readers, self.device = readers, device
+        self.book = PageSlots(slots)
+        self._pending: tuple[StepPlan, Slots] | None = None
+
+    def plan(self, starts: np.ndarray, lengths: np.ndarray, block_table: np.ndarray,
+             requests: np.ndarray | None = None) -> StepPlan:
+        """The plan of a step (``Rows``' arrays)."""
+        if self._pending is not None and self._pending[0].ran:
+            self.book.commit(self._pending[1])
+        self._pending = None
+        rows = Rows(starts, lengths, block_table, self.readers.group, self.readers.block_size,
+                    requests)
+        slots = RequestSlots.assign(rows) if requests is not None else self.book.assign(rows)
+        plan = plan_step(rows, slots, self.readers, self.device)
+        if slots.book is not None:
+            self._pending = plan, slots
+        return plan
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass
+class TokenWrites:
+    """Where each of the step's N tokens goes, written by every layer: ``stage_at`` [N] its
+    staging position (slot · G + offset; -1: its group is sealed now), and for a layer that
+    stages them itself (``by_op`` False) the staged tokens ``staged`` [n] and their positions
+    ``staged_at`` [n]; with ``values="token"``, ``value_at`` [N] its place in the pool (its
+    group's page · G + offset). ``by_op``: the CPU op stages them, once every kernel row has
+    read the staging."""
+
+    stage_at: torch.Tensor
+    staged: torch.Tensor | None
+    staged_at: torch.Tensor | None
+    value_at: torch.Tensor | None
+    by_op: bool
+    all_staged: bool
+
+
+@dataclass
+class Seals:
+    """The E groups the step's tokens complete, sealed by every layer: ``pages`` [E],
+    ``first_pages`` [E] (their row's first page: the selection they copy); a float buffer
+    [E · G] gathers their tokens: the step's ``tokens`` [e] at ``tokens_at`` [e] (entry · G +
+    offset) and the staged tokens at staging positions ``carried`` [c] at ``carried_at`` [c];
+    ``firsts`` [F] the entries that are their row's first group (they select)."""
+
+    pages: torch.Tensor
+    first_pages: torch.Tensor
+    tokens: torch.Tensor
+    tokens_at: torch.Tensor
+    carried: torch.Tensor
+    carried_at: torch.Tensor
+    firsts: torch.Tensor
+    count: int
+    selects: bool
+
+
+@dataclass
+class QuerySums:
+    """Query sums of first groups (methods that select from them), in a step with tokens of
+    first groups: ``restart`` the slots whose group opens now; the step's first-group
+    ``tokens`` [f], each added ``into`` [f] its slot or its seal entry (``sealed`` [f], bool);
+    per first-group seal entry (``Seals.firsts``) the slot whose sums it adds, ``carried``
+    [F] (-1: none)."""
+
+    restart: torch.Tensor
+    tokens: torch.Tensor
+    into: torch.Tensor
+    sealed: torch.Tensor
+    carried: torch.Tensor
+
+
+@dataclass
+class KernelRows:
+    """The K tokens the fused kernels attend (a decode's token; a fused chunk's tokens): its
+    ``tokens`` [K] (its query in the step), the pages of the groups before its own ``table``
+    [K, M] (padded with page 0) and their count ``counts`` [K], and its own group's floats up
+    to it where they lie, ``floats`` [K, 4]: (start, count) of its staged tokens in the staging,
+    then (start, count) of its group's new tokens in the step's tokens; ``own_pages`` [K] its
+    own group's page (``values="token"``: its values are read there); ``first_pages`` its row's
+    first page (its selection; on the host, for methods that select); ``every_token``: the rows
+    are the step's tokens in order."""
+
+    tokens: torch.Tensor
+    table: torch.Tensor
+    held: torch.Tensor
+    counts: torch.Tensor
+    floats: torch.Tensor
+    own_pages: torch.Tensor | None
+    first_pages: tuple[int, ...] | None
+    every_token: bool
+
+    @property
+    def count(self) -> int:
+        return self.tokens.numel()
 
 
 @dataclass
 class StepPlan:
-    """What every layer of a step reads: index tensors (int64, ``sum_sealed`` bool, on the
-    cache's device: views of one upload) and a few host values.
+    """What every layer of a step reads, grouped by reader (None where the step has none):
+    ``tokens`` the step's N; ``chunks`` the rows the reference path attends (on the host).
+    ``ran``: a layer has run the step (its slot assignment then holds)."""
 
-    Staging slot ``s`` holds its open group at staging positions ``s·G .. s·G + G - 1``.
-    Tokens of the step (``*_tokens``: positions in the step's N tokens): those that stay in an
-    open group go to staging positions ``staged_positions``; those of a group sealed now to
-    position ``seal_at`` (entry · G + offset) of the seal buffer [E · G, 2, H, D], joined by the
-    staged tokens at ``carry_positions`` (into ``carry_at``).
-    Groups sealed: ``seal_pages`` [E], ``seal_first`` [E] (their row's first page),
-    ``first_entries`` (those that are their row's first group: they select).
-    Kernel rows (one per token attended by the kernels: a decode row's token, and with
-    ``fused`` every token of a prefill chunk): ``decode_tokens`` [Rd] its query; ``table``,
-    ``held`` [Rd, M] and ``counts`` [Rd] the pages of the groups before its own; its own group's
-    floats up to it in the step's float buffer [U·G] (an entry of G slots per distinct group:
-    the staging slot that opens it, ``float_slots`` [U], then the new tokens, each token's at
-    ``context_slots`` [Rd]), read through ``spans`` [Rd, 4] (the Triton kernels and the
-    reference path). The CPU op reads the same floats where they lie (``inplace_spans`` [Rd,
-    4]): the staged tokens of the row's group in the staging (start, count), then its group's
-    new tokens up to it in the step's tokens (start, count).
-    With ``values="token"`` each new token's values go straight into its group's page: token
-    ``i`` of the step at pool position ``value_at[i]`` (page · G + offset), and a kernel row
-    reads its own group's values from its page ``own_pages`` [Rd].
-    ``tokens``: the step's N; ``every_token``: the kernel rows are the step's tokens in order
-    (a decode-only step, or fused chunks only);
-    ``all_staged``: every token of the step stays staged; ``selects``: some first group is
-    sealed (on the host: none in most steps).
-    Other rows (prefill chunks through the reference path): ``chunks``, on the host.
-    """
-
-    group: int
-    staged_tokens: torch.Tensor
-    staged_positions: torch.Tensor
-    stage_at: torch.Tensor  # [N] each token's staging position (-1: its group is sealed now)
-    seal_tokens: torch.Tensor
-    seal_at: torch.Tensor
-    carry_positions: torch.Tensor
-    carry_at: torch.Tensor
-    seal_pages: torch.Tensor
-    seal_first: torch.Tensor
-    new_slots: torch.Tensor  # slots whose group opens this step (their query sums restart)
-    sum_rows: torch.Tensor  # per new token of a first group: its slot, or its seal entry
-    sum_tokens: torch.Tensor
-    sum_sealed: torch.Tensor  # bool per such token: into a sealed entry (else a slot)
-    carry_sums: torch.Tensor  # per sealed first group: the slot whose sums it adds (-1: none)
-    value_at: torch.Tensor  # [N] each new token's place in the pool (its group's page · G + offset)
-    decode_tokens: torch.Tensor
-    own_pages: torch.Tensor  # [Rd] each kernel row's own group's page
-    float_slots: torch.Tensor
-    context_slots: torch.Tensor
-    decode_first: tuple[int, ...]  # each kernel row's first page (its selection), on the host
-    table: torch.Tensor
-    held: torch.Tensor
-    counts: torch.Tensor
-    spans: torch.Tensor  # [Rd, 4] what each kernel row reads of the float buffer
-    inplace_spans: torch.Tensor  # [Rd, 4] what it reads of the staging and the step's tokens
     tokens: int
-    every_token: bool
-    all_staged: bool
-    first_entries: torch.Tensor
-    selects: bool
+    writes: TokenWrites
+    seals: Seals | None
+    sums: QuerySums | None
+    rows: KernelRows | None
     chunks: list[Chunk]
+    ran: bool = field(default=False, compare=False)
 
     @property
     def sealed(self) -> int:
-        return self.seal_pages.numel()
+        return 0 if self.seals is None else self.seals.count
 
 
 @dataclass
@@ -226,191 +414,155 @@ def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Bloc
     return blocks
 
 
-def plan_step(staging: Staging, group: int, block_size: int, starts: np.ndarray,
-              lengths: np.ndarray, block_table: np.ndarray, device: torch.device,
-              fused: bool = False, exact: bool = False,
-              requests: np.ndarray | None = None,
-              uploads: steps.Staged | None = None) -> StepPlan:
-    """The plan of one step. starts [R + 1]: each row's first token (vLLM's query_start_loc);
-    lengths [R]: tokens each row holds after the step (seq_lens); block_table [R, W];
-    ``fused``: prefill chunks' tokens are kernel rows too, but for a prompt's first chunk when
-    it attends in float (``exact``); ``requests`` [R]: each row's request slot in vLLM's model
-    runner (Model Runner V2's ``req_idx``), which is then its staging slot: held by the request
-    from its first step to vLLM's removal of it (finished, aborted or preempted), scheduled in
-    a step or not, and handed to the next request only then — ``staging`` is not used. Without
-    it (vLLM's V1 runner) slots follow pages through ``staging``. ``uploads``: the persistent
-    device buffer the plan's index tensors are views of (one copy a step; a plan is read
-    before the next is made), else a buffer of its own."""
-    G, per_block = group, block_size // group
-    new = np.diff(starts)  # [R]
-    before = lengths - new  # c
-    rows = len(new)
-    opened, done = before // G, lengths // G  # first open group, groups complete after
-    staged = before % G  # o
+@dataclass(frozen=True)
+class _Tokens:
+    """The step's N tokens on the host: each one's ``row`` [N], ``position`` in it, its group
+    ``g``, ``offset`` in it, whether that group is ``sealing`` now and its seal ``entry``."""
 
-    def page(row: np.ndarray, g: np.ndarray) -> np.ndarray:
-        tokens = g * G
-        return block_table[row, tokens // block_size] * per_block + (tokens % block_size) // G
-
-    every = np.arange(rows)
-    staged_slots = np.full(rows, -1, dtype=np.int64)
-    has = staged > 0
-    staged_slots[has] = requests[has] if requests is not None else \
-        staging.find(page(every[has], opened[has]))
-    lost = has & (staged_slots < 0)
-    if lost.any():
-        raise StagingLost(f"kvmix: the open group of {int(lost.sum())} running request(s) was "
-                          "reclaimed while they were not scheduled; raise max_num_seqs")
-    # groups sealed this step: entries (row, g) for g in [opened, done)
-    count = done - opened
-    entry_row = np.repeat(every, count)
-    entry_start = np.concatenate([[0], np.cumsum(count)])
-    entry_g = opened[entry_row] + (np.arange(count.sum()) - entry_start[entry_row])
-    seal_pages = page(entry_row, entry_g)
-    # groups still open after the step
-    tail = lengths % G > 0
-    continuing = tail & (count == 0) & has
-    opening = tail & ~continuing
-    final_slots = staged_slots.copy()
-    final_slots[~tail] = -1
-    if requests is not None:
-        final_slots[opening] = requests[opening]
-    else:
-        # the slots of groups sealed now are free for groups opening now (a layer reads every
-        # staged token before it stages new ones), and stale slots of ended requests go back
-        staging.give_back(seal_pages)
-        opening_pages = page(every[opening], done[opening])
-        final_slots[opening] = staging.take(opening_pages, keep=staged_slots[continuing])
-        staging.touch(np.concatenate([staged_slots, final_slots]))
-    # tokens
-    token_row = np.repeat(every, new)
-    position = before[token_row] + np.arange(len(token_row)) - starts[token_row]
-    token_g, offset = position // G, position % G
-    sealing = token_g < done[token_row]
-    token_entry = entry_start[token_row] + token_g - opened[token_row]
-    carried = has & (count > 0)  # staged tokens that join a sealed group
-    carry_row = np.repeat(every[carried], staged[carried])
-    carry_offset = np.arange(len(carry_row)) - np.repeat(
-        np.concatenate([[0], np.cumsum(staged[carried])])[:-1], staged[carried])
-    first_group = token_g == 0
-    entry_first = entry_g == 0
-    carry_sums = np.where(staged[entry_row] > 0, staged_slots[entry_row], -1)
-    kernel = (new == 1) | fused & ~(exact & (before == 0))  # rows attended by the kernels
-    rows_of = _kernel_rows(np.flatnonzero(kernel[token_row]), token_row, position, before,
-                           staged_slots, G)
-    upload = _Uploads(device, uploads)
-    return upload.resolve(StepPlan(
-        group=G,
-        staged_tokens=upload(np.flatnonzero(~sealing)),
-        staged_positions=upload(final_slots[token_row[~sealing]] * G + offset[~sealing]),
-        stage_at=upload(np.where(sealing, -1, final_slots[token_row] * G + offset)),
-        seal_tokens=upload(np.flatnonzero(sealing)),
-        seal_at=upload(token_entry[sealing] * G + offset[sealing]),
-        carry_positions=upload(staged_slots[carry_row] * G + carry_offset),
-        carry_at=upload(entry_start[carry_row] * G + carry_offset),
-        seal_pages=upload(seal_pages),
-        seal_first=upload(page(entry_row, np.zeros_like(entry_row))),
-        new_slots=upload(final_slots[opening]),
-        sum_rows=upload(np.where(sealing, token_entry, final_slots[token_row])[first_group]),
-        sum_tokens=upload(np.flatnonzero(first_group)),
-        sum_sealed=upload(sealing[first_group], torch.bool),
-        carry_sums=upload(carry_sums[entry_first]),
-        value_at=upload(page(token_row, token_g) * G + offset),
-        decode_tokens=upload(rows_of["decode_tokens"]),
-        own_pages=upload(page(rows_of["row"], rows_of["group"])),
-        float_slots=upload(rows_of["float_slots"]),
-        context_slots=upload(rows_of["context_slots"]),
-        spans=upload(rows_of["float_spans"]),
-        inplace_spans=upload(rows_of["inplace_spans"]),
-        tokens=len(token_row),
-        every_token=rows > 0 and bool(kernel.all()),
-        all_staged=rows > 0 and not sealing.any(),
-        first_entries=upload(np.flatnonzero(entry_first)),
-        selects=bool(entry_first.any()),
-        decode_first=tuple(page(rows_of["row"], np.zeros_like(rows_of["row"])).tolist()),
-        **_history(upload, page, rows_of["row"], rows_of["group"], G),
-        chunks=[Chunk(int(starts[r]), int(starts[r + 1]), int(before[r]),
-                      page(np.full(done[r], r), np.arange(done[r])).tolist(),
-                      int(page(np.array([r]), np.array([0]))[0]), int(staged_slots[r]),
-                      query_blocks(int(before[r]), int(new[r]), G, device))
-                for r in np.flatnonzero(~kernel)],
-    ))
+    row: np.ndarray
+    position: np.ndarray
+    g: np.ndarray
+    offset: np.ndarray
+    sealing: np.ndarray
+    entry: np.ndarray
 
 
-def idle_plan(group: int, block_size: int, device: torch.device) -> StepPlan:
+def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) -> StepPlan:
+    """The plan of one step: a pure function of its ``rows``, their staging ``slots`` and what
+    reads it; its arrays reach ``device`` in one copy."""
+    G, every = rows.group, np.arange(rows.count)
+    count = rows.done - rows.opened  # [R] groups each row seals
+    entry_start = np.concatenate([[0], np.cumsum(count)])  # [R + 1]
+    row = np.repeat(every, rows.new)
+    position = rows.before[row] + np.arange(len(row)) - rows.starts[row]
+    g = position // G
+    tokens = _Tokens(row, position, g, position % G, g < rows.done[row],
+                     entry_start[row] + g - rows.opened[row])
+    kernel = (rows.new == 1) | readers.fused & ~(readers.exact & (rows.before == 0))  # [R]
+    chunks = [_chunk(rows, slots, r, device) for r in np.flatnonzero(~kernel)]
+    attended = np.flatnonzero(kernel[row])  # [K] the kernel rows' tokens
+    by_op = readers.kernels == "cpu" and not chunks and len(attended) > 0
+    arrays = {
+        "writes": _writes(rows, slots, tokens, readers.token_values, by_op),
+        "seals": _seals(rows, slots, tokens, count, entry_start) if count.any() else None,
+        "sums": _sums(rows, slots, tokens, count, entry_start)
+        if readers.sums and (g == 0).any() else None,
+        "rows": _kernel_rows(rows, slots, tokens, attended, readers.token_values)
+        if len(attended) else None,
+    }
+    up = _upload(arrays, device)
+    return StepPlan(
+        tokens=len(row),
+        writes=TokenWrites(**up["writes"], by_op=by_op,
+                           all_staged=rows.count > 0 and not tokens.sealing.any()),
+        seals=None if up["seals"] is None else Seals(
+            **up["seals"], count=int(count.sum()),
+            selects=bool(len(arrays["seals"]["firsts"]))),
+        sums=None if up["sums"] is None else QuerySums(
+            **{**up["sums"], "sealed": up["sums"]["sealed"].bool()}),
+        rows=None if up["rows"] is None else KernelRows(
+            **up["rows"], every_token=rows.count > 0 and bool(kernel.all()),
+            first_pages=tuple(rows.page(row[attended], np.zeros_like(attended)).tolist())
+            if readers.selects else None),
+        chunks=chunks)
+
+
+def idle_plan(readers: Readers, device: torch.device) -> StepPlan:
     """The plan of a step with no rows: a dummy batch's (it attends to nothing, changes
     nothing)."""
-    return plan_step(Staging(0), group, block_size, np.zeros(1, np.int64), np.zeros(0, np.int64),
-                     np.zeros((0, 1), np.int64), device)
+    rows = Rows(np.zeros(1, np.int64), np.zeros(0, np.int64), np.zeros((0, 1), np.int64),
+                readers.group, readers.block_size)
+    empty = np.zeros(0, np.int64)
+    return plan_step(rows, Slots(empty, empty), readers, device)
 
 
-def _kernel_rows(tokens: np.ndarray, token_row: np.ndarray, position: np.ndarray,
-                 before: np.ndarray, staged_slots: np.ndarray, G: int) -> dict[str, np.ndarray]:
-    """Per kernel row (the step's ``tokens``, each at its ``position``): its request ``row`` and
-    ``group``; and the step's float buffer: an entry of G slots for each distinct group the
-    rows are in, opened by its staged tokens (``float_slots``: its request's slot where the
-    group is the one open before the step, else 0: none is read), then its new tokens — which
-    are the kernel rows' own tokens, each at ``context_slots``, its entry's slot for its offset.
-    A row reads its entry up to itself (``float_spans``), or the same floats where they lie
-    (``inplace_spans``): its group's staged tokens in its slot (those of the group open before
-    the step), then its group's new tokens up to it, consecutive in the step's tokens."""
-    row, at = token_row[tokens], position[tokens]
-    group, offset = at // G, at % G
-    _, first, entry = np.unique(row * (int(group.max(initial=0)) + 1) + group, return_index=True,
-                                return_inverse=True)
-    own = group[first] == before[row[first]] // G
-    spans = np.zeros((len(tokens), 4), dtype=np.int64)
-    spans[:, 2], spans[:, 3] = entry * G, offset + 1
-    staged = np.where(group == before[row] // G, before[row] % G, 0)  # [Rd] read in place
-    inplace = np.stack([np.where(staged > 0, staged_slots[row] * G, 0), staged,
-                        tokens - (offset - staged), offset - staged + 1], 1)
-    return {"row": row, "group": group, "decode_tokens": tokens,
-            "float_slots": np.where(own, np.maximum(staged_slots[row[first]], 0), 0),
-            "context_slots": entry * G + offset, "float_spans": spans,
-            "inplace_spans": inplace.reshape(-1, 4)}
+def _writes(rows: Rows, slots: Slots, tokens: _Tokens, token_values: bool,
+            by_op: bool) -> dict[str, np.ndarray | None]:
+    staging = slots.after[tokens.row] * rows.group + tokens.offset  # [N]
+    kept = np.flatnonzero(~tokens.sealing)
+    return {"stage_at": np.where(tokens.sealing, -1, staging),
+            "staged": None if by_op else kept, "staged_at": None if by_op else staging[kept],
+            "value_at": rows.page(tokens.row, tokens.g) * rows.group + tokens.offset
+            if token_values else None}
 
 
-def _history(upload, page, rows: np.ndarray, opened: np.ndarray, G: int) -> dict[str, _Queued]:
-    """The kernel rows' block table: pages of groups [0, opened) padded with page 0."""
-    width = max(int(opened.max(initial=0)), 1)
-    grid = np.broadcast_to(np.arange(width), (len(rows), width))
-    valid = grid < opened[:, None]
-    table = np.where(valid, page(np.repeat(rows[:, None], width, 1), np.where(valid, grid, 0)),
+def _entry_groups(opened: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Each seal entry's group: groups [opened, opened + count) of each row, rows in order."""
+    start = np.concatenate([[0], np.cumsum(count)])[:-1]
+    return np.repeat(opened, count) + np.arange(count.sum()) - np.repeat(start, count)
+
+
+def _seals(rows: Rows, slots: Slots, tokens: _Tokens, count: np.ndarray,
+           entry_start: np.ndarray) -> dict[str, np.ndarray]:
+    G, every = rows.group, np.arange(rows.count)
+    entry_row, entry_g = np.repeat(every, count), _entry_groups(rows.opened, count)
+    carried = (rows.staged > 0) & (count > 0)  # rows whose staged tokens join a sealed group
+    carry_row = np.repeat(every[carried], rows.staged[carried])  # [c]
+    carry_offset = np.arange(len(carry_row)) - np.repeat(
+        np.concatenate([[0], np.cumsum(rows.staged[carried])])[:-1], rows.staged[carried])
+    sealing = tokens.sealing
+    return {"pages": rows.page(entry_row, entry_g),
+            "first_pages": rows.page(entry_row, np.zeros_like(entry_row)),
+            "tokens": np.flatnonzero(sealing),
+            "tokens_at": tokens.entry[sealing] * G + tokens.offset[sealing],
+            "carried": slots.before[carry_row] * G + carry_offset,
+            "carried_at": entry_start[carry_row] * G + carry_offset,
+            "firsts": np.flatnonzero(entry_g == 0)}
+
+
+def _sums(rows: Rows, slots: Slots, tokens: _Tokens, count: np.ndarray,
+          entry_start: np.ndarray) -> dict[str, np.ndarray]:
+    first = tokens.g == 0
+    entry_row = np.repeat(np.arange(rows.count), count)
+    first_entry = _entry_groups(rows.opened, count) == 0
+    continuing = (count == 0) & (rows.staged > 0)
+    opening = (rows.lengths % rows.group > 0) & ~continuing  # groups opening now
+    return {"restart": slots.after[opening],
+            "tokens": np.flatnonzero(first),
+            "into": np.where(tokens.sealing, tokens.entry, slots.after[tokens.row])[first],
+            "sealed": tokens.sealing[first],
+            "carried": np.where(rows.staged[entry_row] > 0, slots.before[entry_row],
+                                -1)[first_entry]}
+
+
+def _kernel_rows(rows: Rows, slots: Slots, tokens: _Tokens, attended: np.ndarray,
+                 token_values: bool) -> dict[str, np.ndarray | None]:
+    G = rows.group
+    row, g, offset = tokens.row[attended], tokens.g[attended], tokens.offset[attended]
+    staged = np.where(g == rows.opened[row], rows.staged[row], 0)  # [K] in the staging
+    floats = np.stack([np.where(staged > 0, slots.before[row] * G, 0), staged,
+                       attended - (offset - staged), offset - staged + 1], 1)
+    width = max(int(g.max(initial=0)), 1)
+    grid = np.broadcast_to(np.arange(width), (len(row), width))
+    valid = grid < g[:, None]
+    table = np.where(valid, rows.page(np.repeat(row[:, None], width, 1), np.where(valid, grid, 0)),
                      0)
-    return {"table": upload(table), "held": upload(valid * G), "counts": upload(opened)}
+    return {"tokens": attended, "table": table, "held": valid * G, "counts": g,
+            "floats": floats.reshape(-1, 4),
+            "own_pages": rows.page(row, g) if token_values else None}
 
 
-@dataclass
-class _Queued:
-    """Which of the upload's arrays an index array of the plan is, until it is made."""
+def _chunk(rows: Rows, slots: Slots, r: int, device: torch.device) -> Chunk:
+    done = int(rows.done[r])
+    return Chunk(int(rows.starts[r]), int(rows.starts[r + 1]), int(rows.before[r]),
+                 rows.page(np.full(done, r), np.arange(done)).tolist(),
+                 int(rows.page(np.array([r]), np.array([0]))[0]), int(slots.before[r]),
+                 query_blocks(int(rows.before[r]), int(rows.new[r]), rows.group, device))
 
-    index: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
-
-class _Uploads:
-    """A plan's index arrays on the device in one copy (``Staged``: one non-blocking copy into
-    a persistent buffer, from pinned memory on CUDA): each call queues an array (int64, or
-    ``dtype`` once on the device) and stands for it in the plan until ``resolve``."""
-
-    def __init__(self, device: torch.device, staged: steps.Staged | None):
-        self.device, self.staged = device, staged or steps.Staged()
-        self.arrays: list[np.ndarray] = []
-
-    def __call__(self, values: np.ndarray, dtype: torch.dtype = torch.long) -> _Queued:
-        array = np.ascontiguousarray(values, dtype=np.int64)
-        self.arrays.append(array.ravel())
-        return _Queued(len(self.arrays) - 1, array.shape, dtype)
-
-    def resolve(self, plan: StepPlan) -> StepPlan:
-        """``plan`` with every queued array a view of the uploaded buffer (cut by one split)."""
-        flat = self.staged.fill(np.concatenate(self.arrays), self.device)
-        parts = flat.split([array.size for array in self.arrays])
-        for name in (f.name for f in fields(plan)):
-            queued = getattr(plan, name)
-            if isinstance(queued, _Queued):
-                tensor = parts[queued.index].view(queued.shape)
-                setattr(plan, name, tensor if queued.dtype == torch.long else
-                        tensor.to(queued.dtype))
-        return plan
+def _upload(groups: dict[str, dict[str, np.ndarray | None] | None], device: torch.device
+            ) -> dict[str, dict[str, torch.Tensor | None] | None]:
+    """Every group's arrays on ``device`` as int64, in one copy (views of one tensor of the
+    plan's own: a plan stays valid whatever is built after it)."""
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for group in groups.values() if group
+              for a in group.values() if a is not None]
+    flat = torch.from_numpy(np.concatenate([a.ravel() for a in arrays]) if arrays
+                            else np.zeros(0, np.int64))
+    if device.type != "cpu":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    parts = iter(flat.split([a.size for a in arrays]))
+    shapes = iter(a.shape for a in arrays)
+    return {name: None if group is None else
+            {key: None if a is None else next(parts).view(next(shapes))
+             for key, a in group.items()}
+            for name, group in groups.items()}

@@ -24,6 +24,7 @@ from kvmix.models.loading import config_rope_pairs
 from kvmix.runtime.cache import model_spec
 from kvmix.runtime.folding import CONFIG_KEY
 from kvmix.runtime.plugin_settings import KEY, Refused, checked, staging_dtype
+from kvmix.vllm.pages import layout
 
 # Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
 SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
@@ -70,14 +71,31 @@ def requested(vllm_config: Any) -> dict[str, Any] | None:
     return checked(raw)
 
 
+_RESOLVED: dict[tuple, Settings] = {}
+
+
 def resolve(vllm_config: Any) -> Settings | None:
     """The kvmix settings of a vLLM configuration, or None where kvmix is not asked for;
-    ``Refused`` naming what cannot be honoured."""
+    ``Refused`` naming what cannot be honoured. Resolved once per engine configuration: the
+    backend class, its builder and every layer get the same ``Settings``."""
     raw = requested(vllm_config)
     if raw is None:
         return None
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    key = (repr(sorted(raw.items())), id(model), model.model, str(model.dtype),
+           parallel.tensor_parallel_size, str(vllm_config.device_config.device))
+    if key not in _RESOLVED:
+        _RESOLVED[key] = _resolved(raw, vllm_config)
+    return _RESOLVED[key]
+
+
+def _resolved(raw: dict[str, Any], vllm_config: Any) -> Settings:
     text = str(raw["method"])
-    method = laid_out(parse_method(text), text)
+    try:
+        parsed = parse_method(text)
+    except ImportError as error:  # a backend's library missing from vLLM's environment
+        raise Refused(f"kvmix method {text!r}: {error}") from error
+    method = laid_out(parsed, text)
     model_config = vllm_config.model_config
     dtype = model_config.dtype
     staging = staging_dtype(raw.get("staging"), method, dtype)
@@ -91,6 +109,7 @@ def resolve(vllm_config: Any) -> Settings | None:
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
+    layout(method, spec, 0, dtype)  # Refused where a page cannot be laid out inside vLLM
     values = raw.get("values", "group")
     if values == "token" and not stored_by_token(method, spec):
         raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "

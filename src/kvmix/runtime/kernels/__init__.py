@@ -38,9 +38,44 @@ def unserved(backend: str, method, head_dim: int) -> str:
     """Why ``backend``'s kernels cannot read ``method``'s blocks at ``head_dim`` ("" when they
     can, or when the method reads through the reference path anyway)."""
     kernels = {"cpu": cpu, "triton": gpu}.get(backend)
-    if kernels is None or method.fast_path.startswith("reference only"):
+    if kernels is None or method.unfused():
         return ""
     return kernels.unserved(method, head_dim)
+
+
+class Unserved(ValueError):
+    """Kernels asked for by name cannot decode a cache."""
+
+
+def choose(asked: str, method, head_dim: int, dtype: torch.dtype, device: torch.device
+           ) -> tuple[str, str]:
+    """The kernels a paged cache of ``method`` (pages in the model's ``dtype`` on ``device``)
+    decodes through — kvmix's fused CPU op (``cpu``), its Triton kernels (``triton``) or the
+    reference path (``torch``) — and why not the fused ones ("" when they run). ``auto``: the
+    CPU op on CPU, Triton elsewhere, else the reference path; kernels asked for by name that
+    cannot read this cache are ``Unserved``. Decided per method instance: settings that turn a
+    method's fused path off (``kxvy:backend=quanto``) are seen."""
+    choice = asked if asked != "auto" else "cpu" if device.type == "cpu" else "triton"
+    reason = "" if choice == "torch" else _fused_unserved(choice, method, head_dim, dtype,
+                                                          device)
+    if reason and asked != "auto":
+        raise Unserved(f"kernels={asked!r} cannot be honoured: {reason}")
+    return ("torch" if reason else choice), reason
+
+
+def _fused_unserved(choice: str, method, head_dim: int, dtype: torch.dtype,
+                    device: torch.device) -> str:
+    """Why ``choice``'s kernels cannot decode this cache ("" when they can)."""
+    if method.unfused():
+        return method.unfused()
+    if choice == "triton":
+        return triton_unusable(device) or gpu.unserved(method, head_dim)
+    if device.type != "cpu":
+        return f"the cache is on {device.type} (the CPU op reads the CPU's memory)"
+    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
+    if not reason and not method.quantizes and dtype != torch.float32:
+        reason = f"float pages of {dtype} (the op reads float32)"
+    return reason
 
 
 def interpreting() -> bool:

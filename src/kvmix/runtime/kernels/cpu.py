@@ -105,7 +105,8 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     return out.unsqueeze(0).to(dtype)
 
 
-SEGMENT_DTYPES = (torch.float32, torch.float16)  # what the op reads of a float segment
+# what the op reads of a float segment
+SEGMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INTEGER_FLAGS = ("avx512bw", "avx512_vnni", "avx512vbmi")  # /proc/cpuinfo names
 
 

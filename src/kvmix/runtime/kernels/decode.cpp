@@ -76,14 +76,19 @@ const T* data(const Tensor& t, const char* name) {
   return t.data_ptr<T>();
 }
 
-// A float segment's elements: float32, or float16 (a 32-bit model's float slots).
+// A float segment's elements: float32, float16 or bfloat16 (a 32-bit model's float slots, the
+// vLLM plugin's staging).
 bool floating(const Tensor& t) {
-  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf;
+  const auto type = t.scalar_type();
+  return type == at::kFloat || type == at::kHalf || type == at::kBFloat16;
 }
 
 const void* elements(const Tensor& t, const char* name) {
-  return t.scalar_type() == at::kHalf ? static_cast<const void*>(data<at::Half>(t, name))
-                                      : static_cast<const void*>(data<float>(t, name));
+  switch (t.scalar_type()) {
+    case at::kHalf: return data<at::Half>(t, name);
+    case at::kBFloat16: return data<at::BFloat16>(t, name);
+    default: return data<float>(t, name);
+  }
 }
 
 bool valid_bits(int64_t bits) {
@@ -323,14 +328,13 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
     check(k.dim() == 4 && k.size(1) == p.kv_heads && k.size(3) == p.dim &&
               floating(k) && k.scalar_type() == float_values[s].scalar_type() &&
               k.sizes() == float_values[s].sizes(),
-          "float segments must be [n, H, t, D] float32 or float16 keys and values of equal "
-          "shape and dtype");
+          "float segments must be [n, H, t, D] float32, float16 or bfloat16 keys and values of "
+          "equal shape and dtype");
     const bool causal = causal_last && s + 1 == float_keys.size();
     check(!causal || (k.size(0) == 1 && k.size(2) == p.queries),
           "the causal segment must hold exactly the new tokens");
     p.segments.push_back({elements(k, "float keys"), elements(float_values[s], "float values"),
-                          k.size(0), k.size(2), causal, k.size(2) * p.dim,
-                          k.scalar_type() == at::kHalf});
+                          k.size(0), k.size(2), causal, k.size(2) * p.dim, k.scalar_type()});
   }
   if (!lengths.empty()) {
     p.packed = packed_layout(packed_args(planes, token_keys, value_groups), group, p.kv_heads,
@@ -445,8 +449,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
             slot_keys.size(3) == D &&
             floating(slot_keys) && slot_keys.scalar_type() == slot_values.scalar_type() &&
             slot_keys.sizes() == slot_values.sizes(),
-        "slots must be [S or 1, H, T, D] float32 or float16 keys and values of equal shape "
-        "and dtype");
+        "slots must be [S or 1, H, T, D] float32, float16 or bfloat16 keys and values of equal "
+        "shape and dtype");
   check(spans.dim() == 2 && spans.size(0) == S && spans.size(1) == 4, "spans must be [S, 4]");
   check(pages.dim() == 2 && pages.size(0) == S && held.sizes() == pages.sizes() &&
             counts.numel() == S, "the block table must be pages, held [S, M] and counts [S]");
@@ -455,9 +459,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   check(!skip.has_value() || (skip->dim() == 1 && skip->size(0) == S), "skip must be [S]");
   const int64_t* hidden = skip.has_value() ? data<int64_t>(*skip, "skip") : nullptr;
   const int64_t M = pages.size(1);
-  const bool half = slot_keys.scalar_type() == at::kHalf;
   const int64_t row_step = slot_keys.size(0) == 1 ? 0 : H * T;  // an arena: spans place rows
-  const size_t width = half ? 2 : 4;  // bytes per element
+  const size_t width = slot_keys.element_size();  // bytes per element
   const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
   const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
   // the second span in the step's own tokens [1, H, N, D] where they are given (or laid out
@@ -538,7 +541,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
       if (length)
         p.segments.push_back({(own ? step_k : keys) + at * width,
                               (own ? step_v : values) + at * width, 1, length, false,
-                              extent * D, half, own_page ? own_page[s] : -1, first});
+                              extent * D, slot_keys.scalar_type(), own_page ? own_page[s] : -1,
+                              first});
       first += length;
     }
     check(count[s] >= 0 && count[s] <= M, "counts must be within the table's width");

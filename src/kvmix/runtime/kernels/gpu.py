@@ -135,16 +135,18 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
 
 def decode_pages(pool: batch.PoolView, table: Table, query: torch.Tensor, scaling: float,
                  group: int, slots: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-                 skip: torch.Tensor | None = None, workspace: Workspace | None = None
-                 ) -> torch.Tensor:
+                 skip: torch.Tensor | None = None, workspace: Workspace | None = None,
+                 step: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """query [B, Hq, D] of each row's new token over its pages in ``pool`` (``table``) and its
     float slots (keys, values [B, H, T, D], spans [B, 4]) -> [B, Hq, D]: the two launches of
     ``attend_batch``, with the arguments of the CPU op's ``decode_batch`` (kvmix's cache and
-    its vLLM plugin, which holds vLLM's block table)."""
+    its vLLM plugin, which holds vLLM's block table). With ``step`` (keys, values [1, H, N,
+    D]: the vLLM plugin's new tokens) a row's second span lies in them, as the CPU op's step
+    keys and values."""
     rows, query_heads, dim = query.shape
     grouped = query.contiguous().view(rows, slots[0].shape[1], -1, dim)  # [B, H, R, D]
     partials = _page_partials(pool, table, skip, grouped, scaling, group, _precision(query),
-                              slots, workspace)
+                              slots, workspace, step)
     out = torch.empty(rows * query_heads, dim, dtype=query.dtype, device=query.device)
     _merge_into(*partials, out)
     return out.view(rows, query_heads, dim)
@@ -168,19 +170,25 @@ def _row_pages(view: KernelView, lengths: list[int],
 def _page_partials(pool: batch.PoolView, table: Table, skip: torch.Tensor | None,
                    query: torch.Tensor, scaling: float, group: int, precision: str,
                    slots: tuple[torch.Tensor, ...] | None = None,
-                   workspace: Workspace | None = None):
+                   workspace: Workspace | None = None,
+                   step: tuple[torch.Tensor, torch.Tensor] | None = None):
     """query [B, H, R, D] (scaled by ``scaling`` as it loads) over every sequence's pages
     (``table``; ``skip``: tokens a sliding window hides at the front of each first page) and,
     with ``slots`` (keys, values [B, H, T, D] and spans [B, 4]), each sequence's float slots as
-    one more split -> (acc [S, B, H, R, D], max, sum), in ``workspace`` if given."""
+    one more split (the second span in ``step``'s keys, values [1, H, N, D] where given) ->
+    (acc [S, B, H, R, D], max, sum), in ``workspace`` if given."""
     rows, heads, reps, dim = query.shape
     splits = max(1, min(table.width, -(-_programs(query.device) // (rows * heads))))
     parts = splits + (slots is not None)
     shapes = [(parts, rows, heads, reps, dim), (parts, rows, heads, reps),
               (parts, rows, heads, reps)]
     acc, top, total = (workspace or Workspace()).take(shapes, query.device)
-    slot_args = ((*slots, slots[0].shape[2], _row_step(slots[0])) if slots
-                 else (query, query, table.counts, 0, 0))
+    if slots:
+        second = step or slots[:2]  # where each row's second span lies
+        slot_args = (*slots, slots[0].shape[2], _row_step(slots[0]), *second,
+                     second[0].shape[2], _row_step(second[0]))
+    else:
+        slot_args = (query, query, table.counts, 0, 0, query, query, 0, 0)
     channels, (keys, key_layout), (values, value_layout) = batch.arguments(
         pool, "triton", lambda p: _pool_sources(p, group, dim))
     sizes = {"CHANNELS": channels, "KEYS": key_layout, "VALUES": value_layout, "G": group,
@@ -504,16 +512,22 @@ if triton is not None:
         """A sequence's float slots for one KV head into the online softmax. ``slots``: keys,
         values [B, H, T, D] or one arena [1, H, T, D] (any float dtype), spans [B, 4] (what
         the newest token sees: sink start and length, residual start and length, in the
-        sequence's row), T, and the elements from one row to the next (0: an arena)."""
-        keys, values, spans, count, row_step = slots[0], slots[1], slots[2], slots[3], slots[4]
+        sequence's row), T, and the elements from one row to the next (0: an arena); then the
+        keys, values, T and row step the second span lies in (the same slots, or the vLLM
+        plugin's step tokens [1, H, N, D])."""
+        spans = slots[2]
         r = tl.arange(0, BLOCK_R)
         t = tl.arange(0, BLOCK_T)
         d = tl.arange(0, BLOCK_D)
         q = tl.load(query + r[:, None] * dim + d[None, :],
                     mask=(r[:, None] < rows) & (d[None, :] < dim), other=0.0)
         q = q.to(tl.float32) * qscale  # [R, D]
-        base = seq * row_step + head * count * dim
-        for part in range(2):  # the sink, then the residual
+        for part in tl.static_range(2):  # the sink, then the residual
+            if part == 0:
+                keys, values, count, row_step = slots[0], slots[1], slots[3], slots[4]
+            else:
+                keys, values, count, row_step = slots[5], slots[6], slots[7], slots[8]
+            base = seq * row_step + head * count * dim
             first = tl.load(spans + seq * 4 + 2 * part)
             end = first + tl.load(spans + seq * 4 + 2 * part + 1)
             for start in range(first, end, BLOCK_T):

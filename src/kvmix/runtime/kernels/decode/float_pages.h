@@ -6,12 +6,16 @@ namespace {
 // ---- float segments ----
 
 // One block's keys or values of this head, [t, D] floats: where they lie (float32), or widened
-// into this task's buffer (float16).
+// into this task's buffer (float16, bfloat16).
 const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64_t block) {
   const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
-  if (!seg.half) return static_cast<const float*>(base) + at;
+  if (seg.dtype == at::kFloat) return static_cast<const float*>(base) + at;
   widened_.resize(seg.tokens * p_->dim);
-  halves(static_cast<const at::Half*>(base) + at, seg.tokens * p_->dim, widened_.data());
+  if (seg.dtype == at::kHalf)
+    halves(static_cast<const at::Half*>(base) + at, seg.tokens * p_->dim, widened_.data());
+  else
+    brain_halves(static_cast<const at::BFloat16*>(base) + at, seg.tokens * p_->dim,
+                 widened_.data());
   return widened_.data();
 }
 

@@ -7,12 +7,12 @@ namespace {
 // ---- the problem -------------------------------------------------------------------------------
 
 struct FloatSegment {  // float keys/values [n, H, t, D]; heads `head_stride` elements apart
-  const void* keys;    // float32, or float16 where `half` (a 32-bit model's sink and residual
-  const void* values;  // slots, widened as they are read)
+  const void* keys;    // float32, or float16 or bfloat16 (`dtype`: a 32-bit model's sink and
+  const void* values;  // residual slots, the vLLM plugin's staging), widened as they are read
   int64_t blocks, tokens;
   bool causal;  // the new tokens themselves: query i sees token j <= i
   int64_t head_stride;
-  bool half = false;
+  at::ScalarType dtype = at::kFloat;
   // values packed per token instead (the vLLM plugin's values="token"): tokens
   // [value_first, value_first + tokens) of pool page `value_page` (-1: the float values)
   int64_t value_page = -1, value_first = 0;

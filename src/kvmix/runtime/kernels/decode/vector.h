@@ -121,4 +121,11 @@ void halves(const at::Half* in, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = float(in[i]);
 }
 
+// bfloat16 -> float32: the 16 bits are the float's upper half (exact).
+void brain_halves(const at::BFloat16* in, int64_t n, float* out) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(in);
+  uint32_t* wide = reinterpret_cast<uint32_t*>(out);
+  for (int64_t i = 0; i < n; ++i) wide[i] = uint32_t(bits[i]) << 16;
+}
+
 }  // namespace
