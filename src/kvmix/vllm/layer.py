@@ -35,7 +35,7 @@ import torch
 
 from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding
-from kvmix.core.tree import map_tensors, tagged_tensors
+from kvmix.core.tree import at_paths, map_tensors, tagged_tensors, tensor_paths
 from kvmix.methods import Blocks
 from kvmix.runtime.accounting import open_groups_bytes
 from kvmix.runtime.arena import SlotArena
@@ -112,6 +112,12 @@ class LayerCache:
                              "the layer-major layout (VLLM_KV_CACHE_LAYOUT=LBHNC)")
         self.pages = self.layout.views(cache, cache.shape[0] * self.per_block)
         self.cache, self._views = cache, (None, None)
+        template = self.layout.template  # each part's fields, and where a state holds them
+        parts = {"blocks": (self.pages.blocks, template.blocks),
+                 "keys": (self.pages.blocks.keys, template.blocks.keys),
+                 "selection": (self.pages.selection, template.selection)}
+        self._fields = {name: (at_paths(pages, tensor_paths(shape)), tensor_paths(shape))
+                        for name, (pages, shape) in parts.items()}
 
     def staging_bytes(self) -> int:
         """What the staging holds: each slot's open group (keys, and values unless
@@ -134,13 +140,15 @@ class LayerCache:
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
-        if plan.writes.by_op and plan.seals is None:  # one op call: no token laid out here
+        if plan.writes.by_op:  # the CPU op lays out and stages the tokens: none laid out here
+            if plan.seals is not None:
+                self._seal(plan, query, key, value, sums)
             self._attend(plan, query, (key, value), scale, output)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         if plan.seals is not None:
-            self._seal(plan, query, kv, sums)
+            self._seal(plan, query, key, value, sums, kv)
         if plan.rows is not None:  # with values="token", the op puts the values first
             self._attend(plan, query, new if self.staged_values else (key, value), scale,
                          output, new)
@@ -307,10 +315,12 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
-    def _seal(self, plan: StepPlan, query, kv, sums: torch.Tensor | None) -> None:
+    def _seal(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None,
+              kv: torch.Tensor | None = None) -> None:
         """Encode every group completed this step into its page, in one call (its keys only
-        with ``values="token"``: its values are in the page already)."""
-        groups = self._groups(plan, kv)  # [2 (1: keys only), E, H, G, D]
+        with ``values="token"``: its values are in the page already); key, value [N, H, D] the
+        step's tokens (``kv`` [N, 2, H, D]: laid out in the staging dtype, where they are)."""
+        groups = self._groups(plan, key, value, kv)  # [2 (1: keys only), E, H, G, D]
         keys, values = groups[0], groups[1] if self.staged_values else None
         selection = None
         if self.pages.selection is not None:
@@ -318,21 +328,40 @@ class LayerCache:
             if self.exact:
                 self._select_prefills(plan, query, kv)
             selection = self._selection(plan.seals.first_pages)
-            _write(self.pages.selection, selection, plan.seals.pages)  # self-describing pages
+            self._write("selection", selection, plan.seals.pages)  # self-describing pages
         with fused_encoding(self.kernels):  # kvmix's own runtime encodes in its kernels too
             # (keys only: encode's values of the keys themselves are computed and dropped)
             sealed = Blocks(*self.method.encode(keys, keys if values is None else values,
                                                 self.layer, selection))
         if values is None:
-            _write(self.pages.blocks.keys, sealed.keys, plan.seals.pages)
+            self._write("keys", sealed.keys, plan.seals.pages)
         else:
-            _write(self.pages.blocks, sealed, plan.seals.pages)
+            self._write("blocks", sealed, plan.seals.pages)
 
-    def _groups(self, plan: StepPlan, kv: torch.Tensor) -> torch.Tensor:
+    def _write(self, part: str, state: Any, pages: torch.Tensor) -> None:
+        """``state`` (tensors [E, ...], shaped as the pages' ``part``: ``blocks``, their
+        ``keys`` or the ``selection``) into entries ``pages`` [E] of that part, field by field:
+        one call of the op library with the CPU op, else a copy a field."""
+        fields, paths = self._fields[part]
+        states = at_paths(state, paths)
+        if self.kernels == "cpu":
+            cpu.call("write_pages", fields, states, pages)
+            return
+        for field, tensor in zip(fields, states, strict=True):
+            field.index_copy_(0, pages, tensor.to(field.dtype))
+
+    def _groups(self, plan: StepPlan, key, value, kv: torch.Tensor | None) -> torch.Tensor:
         """The sealed groups' tokens, staged and new: keys, values [2, E, H, G, D] in the
         model's dtype ([1, E, H, G, D], keys only, with ``values="token"``; a view of a
-        token-major buffer, every token of it written)."""
-        (_, H, _, D), G, seals = self.staged.keys.shape, self.method.group, plan.seals
+        token-major buffer, every token of it written). The op library gathers them from the
+        staging and key, value [N, H, D] (rounded to the staging dtype) with the CPU op; the
+        other paths from the staging and the step's tokens laid out, ``kv`` [N, 2, H, D]."""
+        seals, G = plan.seals, self.method.group
+        if self.kernels == "cpu":
+            return cpu.call("seal_tokens", self.staged.keys, self.staged.values, key, value,
+                            seals.carried, seals.carried_at, seals.tokens, seals.tokens_at,
+                            seals.count, G, self.dtype)
+        (_, H, _, D) = self.staged.keys.shape
         staged = self.staged.take(seals.carried)  # keys (and values) [c, H, D]
         n = len(staged)
         tokens = kv.new_empty(seals.count * G, n, H, D, dtype=self.dtype)  # [E·G, n, H, D]
@@ -366,7 +395,7 @@ class LayerCache:
         chosen = self.method.select_from(None if sums is None else sums[first], tokens,
                                          keys[first], self.layer,
                                          None if values is None else values[first])
-        _write(self.pages.selection, chosen, plan.seals.pages[first])
+        self._write("selection", chosen, plan.seals.pages[first])
         self._selected += 1
 
     def _select_prefills(self, plan: StepPlan, query, kv) -> None:
@@ -379,8 +408,7 @@ class LayerCache:
             new = slice(chunk.start, chunk.stop)
             keys, values = (_heads_first(kv[new, i]).to(self.dtype) for i in (0, 1))
             chosen = self.method.select(_heads_first(query[new]), keys, self.layer, values)
-            _write(self.pages.selection, chosen,
-                   torch.tensor([chunk.first], device=self.device))
+            self._write("selection", chosen, torch.tensor([chunk.first], device=self.device))
             self._selected += 1
 
     def _first_group_sums(self, plan: StepPlan, query: torch.Tensor) -> torch.Tensor | None:
@@ -436,12 +464,6 @@ def staging_nbytes(settings: Settings, slots: int) -> int:
     return open_groups_bytes(settings.method, settings.spec, settings.staging, slots,
                              settings.staged_values)
 
-
-def _write(pages: Any, state: Any, index: torch.Tensor) -> None:
-    """``state`` (tensors [E, ...]) into entries ``index`` of ``pages``, tensor by tensor."""
-    for target, source in zip((t for _, t in tagged_tensors(pages, "")),
-                              (t for _, t in tagged_tensors(state, "")), strict=True):
-        target.index_copy_(0, index, source.to(target.dtype))
 
 
 @functools.cache

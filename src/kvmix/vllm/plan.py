@@ -75,43 +75,23 @@ class Readers:
         return self.kernels != "torch"
 
 
-@dataclass(frozen=True)
 class Rows:
     """A step's R rows on the host (int64): ``starts`` [R + 1] each row's first token (vLLM's
     query_start_loc), ``lengths`` [R] the tokens it holds after the step (seq_lens),
     ``block_table`` [R, W], ``requests`` [R] its request slot in vLLM's model runner (Model
-    Runner V2's ``req_idx``) or None; ``group`` tokens a page, ``block_size`` a block."""
+    Runner V2's ``req_idx``) or None; ``group`` tokens a page, ``block_size`` a block. Derived,
+    per row: ``new`` tokens, tokens held ``before`` the step, the group ``opened`` before it,
+    the groups ``done`` after it and the tokens ``staged`` before it."""
 
-    starts: np.ndarray
-    lengths: np.ndarray
-    block_table: np.ndarray
-    group: int
-    block_size: int
-    requests: np.ndarray | None = None
-
-    @property
-    def count(self) -> int:
-        return len(self.lengths)
-
-    @property
-    def new(self) -> np.ndarray:  # [R]
-        return np.diff(self.starts)
-
-    @property
-    def before(self) -> np.ndarray:  # [R] tokens held before the step
-        return self.lengths - self.new
-
-    @property
-    def opened(self) -> np.ndarray:  # [R] the group open before the step
-        return self.before // self.group
-
-    @property
-    def done(self) -> np.ndarray:  # [R] groups complete after the step
-        return self.lengths // self.group
-
-    @property
-    def staged(self) -> np.ndarray:  # [R] tokens of the open group staged before the step
-        return self.before % self.group
+    def __init__(self, starts: np.ndarray, lengths: np.ndarray, block_table: np.ndarray,
+                 group: int, block_size: int, requests: np.ndarray | None = None):
+        self.starts, self.lengths, self.block_table = starts, lengths, block_table
+        self.group, self.block_size, self.requests = group, block_size, requests
+        self.count = len(lengths)
+        self.new = np.diff(starts)
+        self.before = lengths - self.new
+        self.opened, self.staged = np.divmod(self.before, group)
+        self.done = lengths // group
 
     def page(self, row: np.ndarray, g: np.ndarray) -> np.ndarray:
         """The page of group ``g`` of row ``row`` (arrays of one shape)."""

@@ -588,6 +588,101 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   return out;
 }
 
+// f(T*) with T the C++ type of a float32, float16 or bfloat16 tensor's elements.
+template <typename F>
+void floats(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kHalf: f(static_cast<at::Half*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<at::BFloat16*>(nullptr)); break;
+    default: check(false, "float32, float16 or bfloat16 tensors expected");
+  }
+}
+
+// kvmix::seal_tokens: the tokens of the E groups a vLLM step seals -> [k, E, H, G, D] in `dtype`
+// (a view of a token-major buffer, every token of it written; k = 2: keys and values, 1: keys
+// only where the staging holds keys only): the staged ones, keys [1, H, T, D] (values likewise,
+// or none) at staging positions `carried` [c], go to token slots `carried_at` [c] (entry · G +
+// offset); the step's own, keys and values [N, H, D] of any float dtype, rounded to the
+// staging's dtype first (as staging them would round them), tokens `tokens` [e] to `tokens_at`.
+Tensor seal_tokens(const Tensor& staged_keys, const std::optional<Tensor>& staged_values,
+                   const Tensor& keys, const Tensor& values, const Tensor& carried,
+                   const Tensor& carried_at, const Tensor& tokens, const Tensor& tokens_at,
+                   int64_t groups, int64_t group, at::ScalarType dtype) {
+  check(staged_keys.dim() == 4 && staged_keys.size(0) == 1 && staged_keys.is_contiguous() &&
+            (!staged_values || (staged_values->sizes() == staged_keys.sizes() &&
+                                staged_values->scalar_type() == staged_keys.scalar_type() &&
+                                staged_values->is_contiguous())),
+        "the staging must be contiguous keys (and values) [1, H, T, D] of one dtype");
+  const int64_t H = staged_keys.size(1), T = staged_keys.size(2), D = staged_keys.size(3);
+  check(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D && keys.stride(2) == 1 &&
+            values.sizes() == keys.sizes() && values.stride(2) == 1 &&
+            values.scalar_type() == keys.scalar_type(),
+        "the step's keys and values must be [N, H, D] of one dtype, channels contiguous");
+  const int64_t slots = groups * group, c = carried.numel(), e = tokens.numel();
+  check(carried_at.numel() == c && tokens_at.numel() == e && c + e == slots,
+        "every token of the sealed groups must come from the staging or the step");
+  const int64_t* from_staging = data<int64_t>(carried, "carried");
+  const int64_t* to_staged = data<int64_t>(carried_at, "carried_at");
+  const int64_t* from_step = data<int64_t>(tokens, "tokens");
+  const int64_t* to_step = data<int64_t>(tokens_at, "tokens_at");
+  for (int64_t j = 0; j < c; ++j)
+    check(from_staging[j] >= 0 && from_staging[j] < T && to_staged[j] >= 0 &&
+              to_staged[j] < slots, "carried tokens lie outside the staging or the groups");
+  for (int64_t j = 0; j < e; ++j)
+    check(from_step[j] >= 0 && from_step[j] < keys.size(0) && to_step[j] >= 0 &&
+              to_step[j] < slots, "the step's tokens lie outside the step or the groups");
+  const int64_t k = staged_values ? 2 : 1;
+  Tensor out = at::empty({k, slots, H, D}, keys.options().dtype(dtype));  // token-major
+  floats(dtype, [&]<typename O>(O*) {
+    floats(staged_keys.scalar_type(), [&]<typename S>(S*) {
+      floats(keys.scalar_type(), [&]<typename M>(M*) {
+        for (int64_t i = 0; i < k; ++i) {
+          O* to = out.data_ptr<O>() + i * slots * H * D;
+          const S* held = (i == 0 ? staged_keys : *staged_values).data_ptr<S>();
+          const Tensor& own = i == 0 ? keys : values;
+          const M* step = own.data_ptr<M>();
+          for (int64_t j = 0; j < c; ++j)
+            for (int64_t h = 0; h < H; ++h) {
+              const S* x = held + (h * T + from_staging[j]) * D;
+              O* y = to + (to_staged[j] * H + h) * D;
+              for (int64_t d = 0; d < D; ++d) y[d] = O(float(x[d]));
+            }
+          for (int64_t j = 0; j < e; ++j)  // rounded to the staging's dtype, as staged
+            for (int64_t h = 0; h < H; ++h) {
+              const M* x = step + from_step[j] * own.stride(0) + h * own.stride(1);
+              O* y = to + (to_step[j] * H + h) * D;
+              for (int64_t d = 0; d < D; ++d) y[d] = O(float(S(float(x[d]))));
+            }
+        }
+      });
+    });
+  });
+  return out.view({k, groups, group, H, D}).permute({0, 1, 3, 2, 4});
+}
+
+// kvmix::write_pages: each of `states` [E, ...] into entries `pages` [E] of its field in
+// `fields` [P, ...] (contiguous; cast to the field's dtype): sealed groups into a layer's
+// pages, field by field, in one call.
+void write_pages(at::TensorList fields, at::TensorList states, const Tensor& pages) {
+  check(fields.size() == states.size(), "every page field needs its state");
+  const int64_t E = pages.numel();
+  const int64_t* at = data<int64_t>(pages, "pages");
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const Tensor& field = fields[i];
+    const Tensor state = states[i].to(field.scalar_type()).contiguous();
+    check(field.is_contiguous() && field.dim() >= 1 && state.numel() == E * field[0].numel(),
+          "a page field must be contiguous [P, ...] and its state [E, ...] of a page's size");
+    const size_t bytes = field[0].numel() * field.element_size();
+    char* to = static_cast<char*>(field.data_ptr());
+    const char* from = static_cast<const char*>(state.data_ptr());
+    for (int64_t e = 0; e < E; ++e) {
+      check(at[e] >= 0 && at[e] < field.size(0), "pages name a page outside the pool");
+      std::memcpy(to + at[e] * bytes, from + e * bytes, bytes);
+    }
+  }
+}
+
 // kvmix::quantize: x [B, ...] (float32, float16 or bfloat16, any strides) quantized in groups
 // along `dim` (a power of two of 8 to 256 elements) -> codes (uint8 shaped like x, contiguous,
 // or packed [B, bytes] when `packed`: the groups in order, a row each), scale and minimum
@@ -669,6 +764,10 @@ TORCH_LIBRARY(kvmix, m) {
   m.def("quantize(Tensor x, int bits, int dim, bool center, bool packed) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("pack(Tensor codes, int bits) -> Tensor");
+  m.def("seal_tokens(Tensor staged_keys, Tensor? staged_values, Tensor keys, Tensor values, "
+        "Tensor carried, Tensor carried_at, Tensor tokens, Tensor tokens_at, int groups, "
+        "int group, ScalarType dtype) -> Tensor");
+  m.def("write_pages(Tensor(a!)[] fields, Tensor[] states, Tensor pages) -> ()");
   m.def(
       "decode(Tensor query, float scale, Tensor[] float_keys, Tensor[] float_values, "
       "int causal_last, int group, int[] lengths, "
@@ -693,4 +792,6 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode_batch", &decode_batch);
   m.impl("quantize", &quantize);
   m.impl("pack", &pack);
+  m.impl("seal_tokens", &seal_tokens);
+  m.impl("write_pages", &write_pages);
 }
