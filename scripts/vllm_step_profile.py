@@ -22,7 +22,9 @@ first is the baseline of the ratios; a method may carry the plugin's other setti
 
 MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
 ``ROWS`` (24), ``PROMPT`` (128) and ``TOKENS`` (256, decode steps: the first 32 are skipped)
-come from the environment."""
+come from the environment, and ``SPREAD`` (0): row i's prompt is ``PROMPT + i · SPREAD // ROWS``
+tokens, so that rows fill and seal their groups in different steps, as requests that came at
+different times do (with equal prompts every row seals in the same step)."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
 ROWS = int(os.environ.get("ROWS", 24))
 PROMPT = int(os.environ.get("PROMPT", 128))
 TOKENS = int(os.environ.get("TOKENS", 256))
+SPREAD = int(os.environ.get("SPREAD", 0))
 SKIP = 32  # decode steps before the ones counted (warm caches, steady batch)
 PARTS = ("model", "attention", "op", "plan", "vLLM")
 
@@ -118,13 +121,14 @@ def profile(model: str, setting: str) -> dict[str, float]:
         method, plugin = split(setting)
         cache = {"additional_config": {"kvmix": {"method": method, **plugin}}}
     llm = LLM(model, dtype="float32", enforce_eager=True, skip_tokenizer_init=True,
-              max_model_len=PROMPT + TOKENS + 1, max_num_seqs=ROWS, seed=0,
+              max_model_len=PROMPT + SPREAD + TOKENS + 1, max_num_seqs=ROWS, seed=0,
               # every row's tokens in float32 on the default model (30 layers, 3 KV heads of 64)
-              kv_cache_memory_bytes=4 * ROWS * (PROMPT + TOKENS) * 2 * 30 * 3 * 64 + (64 << 20),
+              kv_cache_memory_bytes=4 * ROWS * (PROMPT + SPREAD + TOKENS) * 2 * 30 * 3 * 64
+              + (64 << 20),
               **cache)
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT,), generator=g).tolist()}
-               for _ in range(ROWS)]
+    prompts = [{"prompt_token_ids": torch.randint(100, 40000, (PROMPT + i * SPREAD // ROWS,),
+                                                  generator=g).tolist()} for i in range(ROWS)]
     params = SamplingParams(max_tokens=TOKENS, ignore_eos=True, temperature=0)
     engine = llm.llm_engine
     for index, prompt in enumerate(prompts):
@@ -145,7 +149,7 @@ def profile(model: str, setting: str) -> dict[str, float]:
              "attention": mean["attention"] - mean["op"], "op": mean["op"], "plan": mean["plan"],
              "vLLM": mean["step"] - mean["forward"] - mean["plan"], "step": mean["step"]}
     print(f"{setting:>18} x{ROWS} ({len(steps)} decode steps, context {PROMPT + SKIP}.."
-          f"{PROMPT + TOKENS}): " + ", ".join(f"{key} {parts[key]:.1f}" for key in
+          f"{PROMPT + SPREAD + TOKENS}): " + ", ".join(f"{key} {parts[key]:.1f}" for key in
                                                 (*PARTS, "step")) + " ms", flush=True)
     print("RESULT " + json.dumps({"setting": setting, "steps": len(steps), **parts}), flush=True)
     return parts
@@ -177,10 +181,12 @@ def main(argv: list[str]) -> None:
         from kvmix.evaluation import report
 
         report.invocation = ["python", "scripts/vllm_step_profile.py", *argv]
-        title = (f"A decode step inside vLLM's offline engine, ms · {ROWS} rows of {PROMPT} + "
+        prompts = f"{PROMPT}" + (f" to {PROMPT + SPREAD}" if SPREAD else "")
+        title = (f"A decode step inside vLLM's offline engine, ms · {ROWS} rows of {prompts} + "
                  f"{TOKENS} tokens, every row running")
         report.write_results(folder, "vllm_step_profile",
-                             {"rows": ROWS, "prompt": PROMPT, "tokens": TOKENS, "skip": SKIP,
+                             {"rows": ROWS, "prompt": PROMPT, "spread": SPREAD, "tokens": TOKENS,
+                              "skip": SKIP,
                               "model": model, "settings": settings}, rows, (title, COLUMNS))
 
 

@@ -84,7 +84,6 @@ class LayerCache:
         self.per_block, self.device = block_size // method.group, device
         open_groups = open_groups or OpenGroups.allocate(settings, slots, device)
         self.staged, self.sums = open_groups.groups, open_groups.sums
-        self.within = torch.arange(method.group, device=device)  # a group's slots
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
         self.kernels = kernels(settings, device)
