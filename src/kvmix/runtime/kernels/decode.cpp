@@ -370,31 +370,50 @@ void stage(const Tensor& stage_at, const char* step_k, const char* step_v, int64
 std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64_t dim,
                                             bool center, bool packed);
 
-// The step's new values as staged (`laid` [1, H, N, D] in the slots' dtype), converted to
-// `dtype` (the model's) and quantized token by token as the pool's value groups `g` hold them (per
-// token, groups of g.group channels, min-max: kvmix::quantize, as Method.token_values encodes
-// them), into pool position `value_at` [N] (page · G + offset; -1: none).
-void put_values(const Tensor& laid, at::ScalarType dtype, const Tensor& value_at,
-                const TokenGroups& g, int64_t G) {
-  const int64_t H = laid.size(1), N = laid.size(2), D = laid.size(3), J = D / g.group;
-  const int64_t rb = row_bytes(g.group, int(g.bits)), page_bytes = g.codes.size(1);
-  const Tensor x = laid.select(0, 0).transpose(0, 1).to(dtype).reshape({N, H * J, g.group});
-  const auto [codes, scale, minimum] = quantize(x, g.bits, -1, false, true);  // [N, H·J·rb]
-  const int64_t* at = value_at.data_ptr<int64_t>();  // checked before the call's work
-  const uint8_t* c = codes.data_ptr<uint8_t>();
-  const at::Half* s = scale.data_ptr<at::Half>();
-  const at::Half* m = minimum.data_ptr<at::Half>();
-  uint8_t* pool = g.codes.data_ptr<uint8_t>();
-  at::Half* pool_scale = g.scale.data_ptr<at::Half>();
-  at::Half* pool_min = g.minimum->data_ptr<at::Half>();
+// kvmix::put_values: the step's new values [N, H, D] (any float dtype), rounded to the
+// staging's dtype (`staging`) as staging them would, quantized token by token in min-max groups
+// of `value_group` channels at `bits` (kvmix::quantize, as Method.token_values encodes them)
+// into pool position `value_at` [N] (page · G + offset; -1: none) of the pool's value pages
+// (declared written): codes [P, page bytes], scale and minimum [P, H, G, D / value_group]
+// float16. The vLLM plugin's values="token".
+void put_values(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
+                const Tensor& values, at::ScalarType staging, const Tensor& value_at,
+                int64_t bits, int64_t value_group, int64_t group) {
+  check(values.dim() == 3, "values must be [N, H, D]");
+  const int64_t N = values.size(0), H = values.size(1), D = values.size(2), G = group;
+  check(valid_bits(bits) && value_group > 0 && D % value_group == 0 && G > 0,
+        "value groups must divide the head dimension, at 1, 2, 3, 4 or 8 bits");
+  const int64_t J = D / value_group, rb = row_bytes(value_group, int(bits));
+  check(codes.dim() == 2 && codes.scalar_type() == at::kByte && codes.is_contiguous() &&
+            codes.size(1) >= H * G * J * rb,
+        "value codes must be contiguous uint8 [P, page bytes]");
+  const int64_t P = codes.size(0), page_bytes = codes.size(1);
+  for (const Tensor* t : {&scale, &minimum})
+    check(t->scalar_type() == at::kHalf && t->is_contiguous() && t->numel() == P * H * G * J,
+          "value scale and minimum must be contiguous float16 [P, H, G, J]");
+  check(value_at.dim() == 1 && value_at.size(0) == N, "value_at must be [N]");
+  const int64_t* at = data<int64_t>(value_at, "value_at");
+  for (int64_t i = 0; i < N; ++i)
+    check(at[i] >= -1 && at[i] < P * G, "value_at names a position outside the pool");
+  if (N == 0) return;
+  const Tensor x = values.to(staging).to(values.scalar_type()).reshape({N, H * J, value_group});
+  const auto [q, s, m] = quantize(x, bits, -1, false, true);  // [N, H·J·rb], [N, H·J, 1]
+  const uint8_t* c = q.data_ptr<uint8_t>();
+  const at::Half* step_scale = s.data_ptr<at::Half>();
+  const at::Half* step_min = m.data_ptr<at::Half>();
+  uint8_t* pool = codes.data_ptr<uint8_t>();
+  at::Half* pool_scale = scale.data_ptr<at::Half>();
+  at::Half* pool_min = minimum.data_ptr<at::Half>();
   for (int64_t i = 0; i < N; ++i) {
     if (at[i] < 0) continue;
     const int64_t page = at[i] / G, t = at[i] % G;
     for (int64_t h = 0; h < H; ++h) {  // the page's rows (h, t, j) <- the token's (h, j)
       const int64_t row = h * G + t, from = i * H + h;
       std::memcpy(pool + page * page_bytes + row * J * rb, c + from * J * rb, J * rb);
-      std::memcpy(pool_scale + (page * H * G + row) * J, s + from * J, J * sizeof(at::Half));
-      std::memcpy(pool_min + (page * H * G + row) * J, m + from * J, J * sizeof(at::Half));
+      std::memcpy(pool_scale + (page * H * G + row) * J, step_scale + from * J,
+                  J * sizeof(at::Half));
+      std::memcpy(pool_min + (page * H * G + row) * J, step_min + from * J,
+                  J * sizeof(at::Half));
     }
   }
 }
@@ -423,9 +442,8 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
 // multipliers and key offsets [S or 1, H, ...]. With `value_pages` [S] (packed pools only) the
 // values of a sequence's two spans are not floats but the first tokens of its page there,
 // packed per token (the vLLM plugin's values="token"; the slots then hold keys only: the slot
-// values are not read, and staging writes keys only), and with `value_at` [N] the op first
-// writes the new tokens' values there, quantized per token (`put_values`; new keys and values
-// given).
+// values are not read, and staging writes keys only; kvmix::put_values puts the step's values
+// there first).
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
@@ -438,8 +456,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& stage_at,
                     const std::optional<Tensor>& new_keys,
                     const std::optional<Tensor>& new_values,
-                    const std::optional<Tensor>& value_pages,
-                    const std::optional<Tensor>& value_at) {
+                    const std::optional<Tensor>& value_pages) {
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -491,18 +508,6 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     const int64_t* at = data<int64_t>(*stage_at, "stage_at");
     for (int64_t i = 0; i < N; ++i)
       check(at[i] >= -1 && at[i] < T, "stage_at names a position outside the slots");
-  }
-  if (value_at.has_value()) {
-    const TokenGroups* g = value_groups ? value_groups->get() : nullptr;
-    check(new_keys && value_pages && g && g->minimum.has_value() && g->codes.is_contiguous() &&
-              g->scale.is_contiguous() && g->minimum->is_contiguous() && value_at->dim() == 1 &&
-              value_at->size(0) == N && value_at->scalar_type() == at::kLong,
-          "value_at must be [N] int64, with new keys and values, value pages and packed "
-          "min-max value groups");
-    const int64_t* at = data<int64_t>(*value_at, "value_at");
-    for (int64_t i = 0; i < N; ++i)
-      check(at[i] >= -1 && at[i] < g->codes.size(0) * group,
-            "value_at names a position outside the pool");
   }
   const char* step_k = step ? static_cast<const char*>(elements(*step_keys, "step keys")) : keys;
   const char* step_v =
@@ -579,8 +584,6 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
-  if (value_at.has_value())  // every argument checked: the values go in before any row reads
-    put_values(*step_values, new_values->scalar_type(), *value_at, **value_groups, group);
   Tensor out = solve(problems, query.options()).squeeze(2);
   if (stage_at.has_value())
     stage(*stage_at, step_k, own_page ? nullptr : step_v, N, slot_keys, slot_values, T, H, D,
@@ -782,9 +785,10 @@ TORCH_LIBRARY(kvmix, m) {
       "__torch__.torch.classes.kvmix.TokenGroups? value_groups, Tensor? skip=None, "
       "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
       // value_pages: the rows' own values from pages (the slots then hold keys only: slot
-      // values are neither read nor written); value_at: the new values written there first
-      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
-      "Tensor? value_at=None) -> Tensor");
+      // values are neither read nor written)
+      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None) -> Tensor");
+  m.def("put_values(Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) minimum, Tensor values, "
+        "ScalarType staging, Tensor value_at, int bits, int value_group, int group) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
@@ -794,4 +798,5 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("pack", &pack);
   m.impl("seal_tokens", &seal_tokens);
   m.impl("write_pages", &write_pages);
+  m.impl("put_values", &put_values);
 }
