@@ -181,7 +181,7 @@ def main(argv: list[str]) -> None:
         from kvmix.evaluation import report
 
         report.invocation = ["python", "scripts/vllm_step_profile.py", *argv]
-        prompts = f"{PROMPT}" + (f" to {PROMPT + SPREAD}" if SPREAD else "")
+        prompts = f"{PROMPT}" + (f" to {PROMPT + (ROWS - 1) * SPREAD // ROWS}" if SPREAD else "")
         title = (f"A decode step inside vLLM's offline engine, ms · {ROWS} rows of {prompts} + "
                  f"{TOKENS} tokens, every row running")
         report.write_results(folder, "vllm_step_profile",
