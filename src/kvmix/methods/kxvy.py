@@ -182,7 +182,6 @@ class KxVy(Method):
             values = dequantize_per_token(blocks.values, dtype)  # [B, n, H, G, D]
         return keys, values
 
-
     def unfused(self) -> str:
         return "" if self.backend == "native" else \
             f"kxvy:backend={self.backend} decodes through its library (the reference path)"

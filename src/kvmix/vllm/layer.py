@@ -20,7 +20,7 @@ A step (``StepPlan``, planned once for every layer) runs in three parts:
    op, once every row has read them, where no reference-path chunk reads the staging later).
 
 With ``values="token"`` the staging holds keys only: each new token's values are encoded on
-their own (``Method.token_values``, by the CPU op before it attends) into their group's page,
+their own (``kvmix::put_values``, before the seal and the op) into their group's page,
 where the op reads a row's own group's values; a seal encodes keys only.
 """
 
@@ -156,11 +156,10 @@ class LayerCache:
         if plan.seals is not None:
             self._seal(plan, query, key, value, sums, kv)
         if plan.rows is not None:
-            self._attend(plan, query, new, scale, output, new)
+            self._attend(plan, query, new, scale, output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
-        if not plan.writes.by_op:
-            self._stage(plan, new)
+        self._stage(plan, new)
 
     def _transformed(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """x [N, h, D] through one of the method's transforms (they take [1, h, N, D]), where
@@ -180,17 +179,16 @@ class LayerCache:
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _attend(self, plan: StepPlan, query, given, scale: float, output,
-                new: torch.Tensor | None = None) -> None:
+    def _attend(self, plan: StepPlan, query, tokens, scale: float, output) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row), each reading its own group's floats where they
-        lie (``KernelRows.floats``): the staging, then the step's tokens ``new`` [2, H, N, D]
-        in the staging dtype. The CPU op takes them as ``given``: ``new``, or (key, value)
-        [N, H, D] it lays out itself."""
+        lie (``KernelRows.floats``): the staging, then the step's ``tokens`` — laid out
+        [2, H, N, D] in the staging dtype, or, for the CPU op to lay out, (key, value)
+        [N, H, D]."""
         rows = plan.rows
         if self.kernels == "torch":
             for k, token in enumerate(rows.tokens.tolist()):
-                self._reference(rows, k, token, query, new, scale, output)
+                self._reference(rows, k, token, query, tokens, scale, output)
             return
         pool = self._pool_view(plan)
         queries = query if rows.every_token else query[rows.tokens]
@@ -199,34 +197,34 @@ class LayerCache:
             table = Table(rows.table, rows.held, rows.counts, rows.table.shape[1])
             out = gpu.decode_pages(pool, table, queries, scale, self.method.group,
                                    (self.staged.keys, self.staged.values, rows.floats),
-                                   step=(new[0:1], new[1:2]))
+                                   step=(tokens[0:1], tokens[1:2]))
         else:
-            keys, values, tokens = self._cpu_floats(plan, given)
+            keys, values, named = self._cpu_floats(plan, tokens)
             out = cpu.call("decode_batch", queries, scale, keys, values, rows.floats,
                            self.method.group, rows.table, rows.held, rows.counts,
-                           *batch.arguments(pool, "cpu", cpu.built_arguments), **tokens)
+                           *batch.arguments(pool, "cpu", cpu.built_arguments), **named)
         if rows.every_token:
             output.copy_(out)
         else:
             output[rows.tokens] = out.to(output.dtype)
 
-    def _cpu_floats(self, plan: StepPlan, given) -> tuple:
+    def _cpu_floats(self, plan: StepPlan, tokens) -> tuple:
         """What the CPU op reads besides the pool: the staging's keys and values [1, H,
         slots·G, D] and the step's tokens, laid out [2, H, N, D] or as (key, value) [N, H, D]
         for the op to lay out; where ``plan.writes.by_op`` the op then stages them
         (``stage_at``). With ``values="token"`` the op reads each row's own values from its page
         (``value_pages``), where ``_put_values`` put them: the staging values passed are the
         keys again, never read."""
-        if isinstance(given, tuple):
-            tokens = {"new_keys": given[0], "new_values": given[1]}
+        if isinstance(tokens, tuple):
+            named = {"new_keys": tokens[0], "new_values": tokens[1]}
         else:
-            tokens = {"step_keys": given[0:1], "step_values": given[1:2]}
+            named = {"step_keys": tokens[0:1], "step_values": tokens[1:2]}
         if plan.writes.by_op:
-            tokens["stage_at"] = plan.writes.stage_at
-        if not self.staged_values:  # the op puts the values into pages and reads them there
-            tokens["value_pages"] = plan.rows.own_pages
-            return self.staged.keys, self.staged.keys, tokens
-        return self.staged.keys, self.staged.values, tokens
+            named["stage_at"] = plan.writes.stage_at
+        if not self.staged_values:  # each row's own values are read from its page
+            named["value_pages"] = plan.rows.own_pages
+            return self.staged.keys, self.staged.keys, named
+        return self.staged.keys, self.staged.values, named
 
     def _reference(self, rows: KernelRows, k: int, token: int, query, new: torch.Tensor,
                    scale, output) -> None:
@@ -436,9 +434,11 @@ def readers(settings: Settings, block_size: int, device: torch.device) -> Reader
     """What reads the plans of an engine with ``settings`` (``Readers``)."""
     method, spec = settings.method, settings.spec
     probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
+    selects = any(layout(method, spec, layer, settings.dtype).template.selection is not None
+                  for layer in range(spec.n_layers))
     return Readers(method.group, block_size, kernels(settings, device),
                    settings.prefill == "exact", not settings.staged_values, probe is not None,
-                   layout(method, spec, 0, settings.dtype).template.selection is not None)
+                   selects)
 
 
 def _changes(transform, layer: int, probe: torch.Tensor) -> bool:
@@ -459,7 +459,6 @@ def staging_nbytes(settings: Settings, slots: int) -> int:
     selects, its query sums."""
     return open_groups_bytes(settings.method, settings.spec, settings.staging, slots,
                              settings.staged_values)
-
 
 
 @functools.cache

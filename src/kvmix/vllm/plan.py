@@ -251,14 +251,14 @@ class Planner:
 
 @dataclass
 class TokenWrites:
-    """Where each of the step's N tokens goes, written by every layer: ``stage_at`` [N] its
-    staging position (slot · G + offset; -1: its group is sealed now), and for a layer that
-    stages them itself (``by_op`` False) the staged tokens ``staged`` [n] and their positions
-    ``staged_at`` [n]; with ``values="token"``, ``value_at`` [N] its place in the pool (its
-    group's page · G + offset). ``by_op``: the CPU op stages them, once every kernel row has
-    read the staging."""
+    """Where each of the step's N tokens goes, written by every layer: for the CPU op that
+    stages them (``by_op``: once every kernel row has read the staging) ``stage_at`` [N] its
+    staging position (slot · G + offset; -1: its group is sealed now); for a layer that stages
+    them itself the staged tokens ``staged`` [n] and their positions ``staged_at`` [n]; with
+    ``values="token"``, ``value_at`` [N] its place in the pool (its group's page · G +
+    offset)."""
 
-    stage_at: torch.Tensor
+    stage_at: torch.Tensor | None
     staged: torch.Tensor | None
     staged_at: torch.Tensor | None
     value_at: torch.Tensor | None
@@ -304,7 +304,8 @@ class QuerySums:
 class KernelRows:
     """The K tokens the fused kernels attend (a decode's token; a fused chunk's tokens): its
     ``tokens`` [K] (its query in the step), the pages of the groups before its own ``table``
-    [K, M] (padded with page 0) and their count ``counts`` [K], and its own group's floats up
+    [K, M] (padded with page 0), the tokens each holds ``held`` [K, M] (a group, 0: padding)
+    and their count ``counts`` [K], and its own group's floats up
     to it where they lie, ``floats`` [K, 4]: (start, count) of its staged tokens in the staging,
     then (start, count) of its group's new tokens in the step's tokens; ``own_pages`` [K] its
     own group's page (``values="token"``: its values are read there); ``first_pages`` its row's
@@ -460,7 +461,7 @@ def _writes(rows: Rows, slots: Slots, tokens: _Tokens, token_values: bool,
             by_op: bool) -> dict[str, np.ndarray | None]:
     staging = slots.after[tokens.row] * rows.group + tokens.offset  # [N]
     kept = np.flatnonzero(~tokens.sealing)
-    return {"stage_at": np.where(tokens.sealing, -1, staging),
+    return {"stage_at": np.where(tokens.sealing, -1, staging) if by_op else None,
             "staged": None if by_op else kept, "staged_at": None if by_op else staging[kept],
             "value_at": rows.page(tokens.row, tokens.g) * rows.group + tokens.offset
             if token_values else None}

@@ -82,8 +82,11 @@ def resolve(vllm_config: Any) -> Settings | None:
     if raw is None:
         return None
     model, parallel = vllm_config.model_config, vllm_config.parallel_config
-    key = (repr(sorted(raw.items())), id(model), model.model, str(model.dtype),
-           parallel.tensor_parallel_size, str(vllm_config.device_config.device))
+    sizes = tuple(getattr(parallel, name, 1) for name in (
+        "tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+        "decode_context_parallel_size"))
+    key = (repr(sorted(raw.items())), id(model), id(model.hf_config), model.model,
+           str(model.dtype), sizes, str(vllm_config.device_config.device))
     if key not in _RESOLVED:
         _RESOLVED[key] = _resolved(raw, vllm_config)
     return _RESOLVED[key]

@@ -10,7 +10,9 @@ pre-scaled query over key channels, p·scale over value tokens) rounded per bloc
 planes: 16-bit precision relative to each block's largest weight, the one error added to the
 float kernels' arithmetic (``describe`` says which kernels run).
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
-sequence's float slots and its pages in the layer's pool, read through the block table.
+sequence's float slots and its pages in the layer's pool, read through the block table. The
+library also holds the vLLM plugin's step ops: ``seal_tokens`` and ``write_pages`` (a step's
+sealed groups gathered, and their pages written) and ``put_values`` (values by token).
 Flags: ``-O3 -march=native`` (the cache key holds the CPU); never ``-ffast-math`` (masked
 scores are -inf). Threads come from torch's own pool: ``at::parallel_for`` is inline OpenMP in
 torch's build, so the op is built with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy
@@ -105,8 +107,9 @@ def attend(row: RowView, view: KernelView | None, query: torch.Tensor, keys: tor
     return out.unsqueeze(0).to(dtype)
 
 
-# what the op reads of a float segment
-SEGMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the float segments kvmix's own runtime hands the op as they are (the op also reads bfloat16,
+# the vLLM plugin's staging; the runtime's bfloat16 slots go through ``attend``, in float32)
+SEGMENT_DTYPES = (torch.float32, torch.float16)
 INTEGER_FLAGS = ("avx512bw", "avx512_vnni", "avx512vbmi")  # /proc/cpuinfo names
 
 

@@ -66,7 +66,7 @@ namespace {
 
 // ---- the op -------------------------------------------------------------------------------------
 
-void check(bool ok, const char* message) { TORCH_CHECK(ok, "kvmix::decode: ", message); }
+void check(bool ok, const char* message) { TORCH_CHECK(ok, "kvmix: ", message); }
 
 template <typename T>
 const T* data(const Tensor& t, const char* name) {
@@ -593,7 +593,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
 
 // f(T*) with T the C++ type of a float32, float16 or bfloat16 tensor's elements.
 template <typename F>
-void floats(at::ScalarType type, F&& f) {
+void with_float_type(at::ScalarType type, F&& f) {
   switch (type) {
     case at::kFloat: f(static_cast<float*>(nullptr)); break;
     case at::kHalf: f(static_cast<at::Half*>(nullptr)); break;
@@ -635,11 +635,16 @@ Tensor seal_tokens(const Tensor& staged_keys, const std::optional<Tensor>& stage
   for (int64_t j = 0; j < e; ++j)
     check(from_step[j] >= 0 && from_step[j] < keys.size(0) && to_step[j] >= 0 &&
               to_step[j] < slots, "the step's tokens lie outside the step or the groups");
+  std::vector<bool> written(slots, false);  // each token slot exactly once
+  for (int64_t j = 0; j < c; ++j) written[to_staged[j]] = true;
+  for (int64_t j = 0; j < e; ++j) written[to_step[j]] = true;
+  check(std::find(written.begin(), written.end(), false) == written.end(),
+        "every token of the sealed groups must be written once");
   const int64_t k = staged_values ? 2 : 1;
   Tensor out = at::empty({k, slots, H, D}, keys.options().dtype(dtype));  // token-major
-  floats(dtype, [&]<typename O>(O*) {
-    floats(staged_keys.scalar_type(), [&]<typename S>(S*) {
-      floats(keys.scalar_type(), [&]<typename M>(M*) {
+  with_float_type(dtype, [&]<typename O>(O*) {
+    with_float_type(staged_keys.scalar_type(), [&]<typename S>(S*) {
+      with_float_type(keys.scalar_type(), [&]<typename M>(M*) {
         for (int64_t i = 0; i < k; ++i) {
           O* to = out.data_ptr<O>() + i * slots * H * D;
           const S* held = (i == 0 ? staged_keys : *staged_values).data_ptr<S>();
@@ -671,18 +676,22 @@ void write_pages(at::TensorList fields, at::TensorList states, const Tensor& pag
   check(fields.size() == states.size(), "every page field needs its state");
   const int64_t E = pages.numel();
   const int64_t* at = data<int64_t>(pages, "pages");
+  std::vector<Tensor> sources;  // every argument checked before the first write
   for (size_t i = 0; i < fields.size(); ++i) {
     const Tensor& field = fields[i];
-    const Tensor state = states[i].to(field.scalar_type()).contiguous();
-    check(field.is_contiguous() && field.dim() >= 1 && state.numel() == E * field[0].numel(),
-          "a page field must be contiguous [P, ...] and its state [E, ...] of a page's size");
-    const size_t bytes = field[0].numel() * field.element_size();
-    char* to = static_cast<char*>(field.data_ptr());
-    const char* from = static_cast<const char*>(state.data_ptr());
-    for (int64_t e = 0; e < E; ++e) {
+    check(field.is_contiguous() && field.dim() >= 1 && field.size(0) > 0,
+          "a page field must be contiguous [P, ...]");
+    sources.push_back(states[i].to(field.scalar_type()).contiguous());
+    check(sources.back().numel() == E * (field.numel() / field.size(0)),
+          "a state must be [E, ...] of a page's size");
+    for (int64_t e = 0; e < E; ++e)
       check(at[e] >= 0 && at[e] < field.size(0), "pages name a page outside the pool");
-      std::memcpy(to + at[e] * bytes, from + e * bytes, bytes);
-    }
+  }
+  for (size_t i = 0; i < fields.size(); ++i) {
+    const size_t bytes = fields[i].numel() / fields[i].size(0) * fields[i].element_size();
+    char* to = static_cast<char*>(fields[i].data_ptr());
+    const char* from = static_cast<const char*>(sources[i].data_ptr());
+    for (int64_t e = 0; e < E; ++e) std::memcpy(to + at[e] * bytes, from + e * bytes, bytes);
   }
 }
 

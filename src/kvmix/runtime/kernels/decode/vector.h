@@ -123,9 +123,7 @@ void halves(const at::Half* in, int64_t n, float* out) {
 
 // bfloat16 -> float32: the 16 bits are the float's upper half (exact).
 void brain_halves(const at::BFloat16* in, int64_t n, float* out) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(in);
-  uint32_t* wide = reinterpret_cast<uint32_t*>(out);
-  for (int64_t i = 0; i < n; ++i) wide[i] = uint32_t(bits[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) out[i] = std::bit_cast<float>(uint32_t(in[i].x) << 16);
 }
 
 }  // namespace
