@@ -397,11 +397,11 @@ def query_blocks(before: int, n: int, G: int, device: torch.device) -> list[Bloc
 
 @dataclass(frozen=True)
 class _Tokens:
-    """The step's N tokens on the host: each one's ``row`` [N], ``position`` in it, its group
-    ``g``, ``offset`` in it, whether that group is ``sealing`` now and its seal ``entry``."""
+    """The step's N tokens on the host: each one's ``row`` [N], the group ``g`` of its position
+    in the row, its ``offset`` in it, whether that group is ``sealing`` now and its seal
+    ``entry``."""
 
     row: np.ndarray
-    position: np.ndarray
     g: np.ndarray
     offset: np.ndarray
     sealing: np.ndarray
@@ -417,7 +417,7 @@ def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) 
     row = np.repeat(every, rows.new)
     position = rows.before[row] + np.arange(len(row)) - rows.starts[row]
     g = position // G
-    tokens = _Tokens(row, position, g, position % G, g < rows.done[row],
+    tokens = _Tokens(row, g, position % G, g < rows.done[row],
                      entry_start[row] + g - rows.opened[row])
     kernel = (rows.new == 1) | readers.fused & ~(readers.exact & (rows.before == 0))  # [R]
     chunks = [_chunk(rows, slots, r, device) for r in np.flatnonzero(~kernel)]

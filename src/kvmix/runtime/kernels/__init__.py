@@ -69,10 +69,10 @@ def _fused_unserved(choice: str, method, head_dim: int, dtype: torch.dtype,
     if method.unfused():
         return method.unfused()
     if choice == "triton":
-        return triton_unusable(device) or gpu.unserved(method, head_dim)
+        return triton_unusable(device) or unserved(choice, method, head_dim)
     if device.type != "cpu":
         return f"the cache is on {device.type} (the CPU op reads the CPU's memory)"
-    reason = cpu.available()[1] or cpu.unserved(method, head_dim)
+    reason = cpu.available()[1] or unserved(choice, method, head_dim)
     if not reason and not method.quantizes and dtype != torch.float32:
         reason = f"float pages of {dtype} (the op reads float32)"
     return reason
