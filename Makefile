@@ -73,7 +73,7 @@ $(VLLM_STAMP): pyproject.toml
 # bindings load (installed without building their own: LLAMA_BUILD=OFF).
 engine: $(STAMP)
 	CMAKE_ARGS="-DLLAMA_BUILD=OFF" $(BIN)/pip install --quiet -e '.[engine]'
-	$(BIN)/python -m kvmix.evaluation.llamacpp
+	$(BIN)/python -m kvmix.engines.llamacpp.build
 
 # llama.cpp with each K/V cache type beside kvmix's ggml method with the same types.
 engine-check: engine

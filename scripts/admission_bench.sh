@@ -26,7 +26,7 @@ wait_up() {  # pid: until its /health answers, or it exits
 }
 
 bench() {  # name
-  .venv-vllm/bin/python -m kvmix.vllm.bench --backend openai --base-url "http://127.0.0.1:$port" \
+  .venv-vllm/bin/python -m kvmix.vllm.tools.bench --backend openai --base-url "http://127.0.0.1:$port" \
     --model "$model" --tokenizer "$model" --dataset-name random --random-input-len 512 \
     --random-output-len 96 --num-prompts 24 --max-concurrency 24 --ignore-eos \
     --save-result --result-dir "$out" --result-filename "$1.json" 2>&1 | tee "$out/$1.log" | tail -25

@@ -33,10 +33,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvmix.evaluation import llamacpp
+from kvmix.engines.llamacpp.build import bindings, server_version
+from kvmix.engines.llamacpp.decoder import ggml_type
 from kvmix.evaluation.data import load_text, token_ids
-from kvmix.evaluation.report import print_table, write_results
 from kvmix.evaluation.scoring import score, token_kl
+from kvmix.jobs.report import print_table, write_results
 from kvmix.models.loading import load_model, smollm2_location
 
 PAIRS = [("f16", "f16"), ("bf16", "bf16"), ("q8_0", "q8_0"), ("q8_0", "q4_0"),
@@ -48,10 +49,10 @@ COLUMNS = {"k": "K", "v": "V", "engine_ppl": "llama.cpp ppl", "kvmix_ppl": "kvmi
 def engine_logprobs(ids: list[int], k: str, v: str, context: int, threads: int) -> torch.Tensor:
     """llama.cpp's next-token log-probabilities at positions context..T-2: [N, V]."""
     folder, gguf = smollm2_location()
-    llm = llamacpp.bindings().Llama(
+    llm = bindings().Llama(
         model_path=str(Path(folder) / gguf), n_ctx=len(ids) + 16, n_batch=len(ids),
-        n_ubatch=512, logits_all=True, flash_attn=True, type_k=llamacpp.ggml_type(k),
-        type_v=llamacpp.ggml_type(v), n_threads=threads, verbose=False)
+        n_ubatch=512, logits_all=True, flash_attn=True, type_k=ggml_type(k),
+        type_v=ggml_type(v), n_threads=threads, verbose=False)
     llm.eval(ids)
     logits = torch.from_numpy(np.array(llm.scores[context : len(ids) - 1], dtype=np.float32))
     del llm
@@ -122,8 +123,8 @@ def main() -> None:
                "engine_floor_kl": rows[1]["engine_kl"], "kvmix_bf16_kl": rows[1]["kvmix_kl"]}
     print(json.dumps(summary))
     write_results(args.out, "engine-check", vars(args), rows, summary=summary,
-                  engine={"llama_cpp_python": llamacpp.bindings().__version__,
-                          "build": llamacpp.server_version()},
+                  engine={"llama_cpp_python": bindings().__version__,
+                          "build": server_version()},
                   model={"name": loaded.name, "source": loaded.source})
 
 

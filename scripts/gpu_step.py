@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvmix.evaluation.opbench import Shape, Tokens, synthetic
+from kvmix.bench.opbench import Shape, Tokens, synthetic
 from kvmix.runtime.kernels import gpu
 from kvmix.runtime.layer import KVMixLayer
 

@@ -24,8 +24,8 @@ from types import SimpleNamespace
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from kvmix.capacity import parse_memory
 from kvmix.commands.bench import BenchConfig, run_bench
-from kvmix.evaluation.planner import parse_memory
 from kvmix.models.loading import LoadedModel
 from kvmix.serving.anchor import TransformersManager
 from kvmix.serving.paged import KVMixManager

@@ -8,7 +8,7 @@ environment:
     .venv-vllm/bin/python scripts/vllm_offline.py MODEL_DIR kivi2   # or auto, fp8
     .venv-vllm/bin/python scripts/vllm_offline.py MODEL_DIR kivi2 1  # batch 1: one prompt
 
-MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
+MODEL_DIR: a float model folder (``kvmix.engines.vllm.scoring.float_folder`` writes one).
 ``MP=1`` runs the engine core in a process of its own, as vLLM's server does."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main(model: str, setting: str, prompts: str = "24") -> None:
     import torch
     from vllm import LLM, SamplingParams
 
-    from kvmix.evaluation.vllm_server import staging_bytes
+    from kvmix.engines.vllm.server import staging_bytes
 
     cache = {"kv_cache_dtype": setting} if setting in ("auto", "fp8") else {
         "additional_config": {"kvmix": {"method": setting}}}

@@ -4,7 +4,7 @@ of six prompts, vLLM's cache tokens a rank and the start-up time. In the vLLM en
 
     .venv-vllm/bin/python scripts/vllm_parallel.py MODEL_DIR kivi2 3   # or pnmix1, full, auto
 
-MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
+MODEL_DIR: a float model folder (``kvmix.engines.vllm.scoring.float_folder`` writes one).
 Prints one JSON line per run."""
 
 from __future__ import annotations

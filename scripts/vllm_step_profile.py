@@ -20,7 +20,7 @@ first is the baseline of the ratios; a method may carry the plugin's other setti
 ``--out``: DIR/results.json with the table (run it again into DIR/1, DIR/2, ... and
 ``kvmix report`` shows each figure as median (min-max) over the repeats).
 
-MODEL_DIR: a float model folder (``kvmix.evaluation.through_vllm.float_folder`` writes one).
+MODEL_DIR: a float model folder (``kvmix.engines.vllm.scoring.float_folder`` writes one).
 ``ROWS`` (24), ``PROMPT`` (128) and ``TOKENS`` (256, decode steps: the first 32 are skipped)
 come from the environment, and ``SPREAD`` (0): row i's prompt is ``PROMPT + i · SPREAD // ROWS``
 tokens, so that rows fill and seal their groups in different steps, as requests that came at
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> None:
         row["kvmix"] = row["attention"] + row["op"] + row["plan"]
         row["step_ratio"] = row["step"] / rows[0]["step"]
     if folder:
-        from kvmix.evaluation import report
+        from kvmix.jobs import report
 
         report.invocation = ["python", "scripts/vllm_step_profile.py", *argv]
         prompts = f"{PROMPT}" + (f" to {PROMPT + (ROWS - 1) * SPREAD // ROWS}" if SPREAD else "")

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import kvmix
+from kvmix.capacity import bound, kv_bytes
 from kvmix.commands.compare import CompareConfig, run_compare
 from kvmix.core.memory import reachable_bytes
 from kvmix.evaluation.data import load_text, token_ids
-from kvmix.evaluation.planner import bound, kv_bytes
 from kvmix.evaluation.scoring import score, token_kl
 from kvmix.methods import method_names
 from kvmix.models.catalog import architecture
@@ -428,7 +428,7 @@ def test_longgen_on_humaneval_prompts(real_model, tmp_path):
 def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
     from kvmix.commands.export import ExportPlanConfig, run_plan
     from kvmix.commands.recommend import RecommendConfig, run_recommend
-    from kvmix.evaluation.plans import load_plan
+    from kvmix.engines.kv_plan import load_plan
 
     plan = run_plan(ExportPlanConfig(method="kxvy:key_bits=4,value_bits=2",
                                      out=str(tmp_path / "plan"), context=160, eval_tokens=24),

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "kvmix"
-LAYERS = ("core", "methods", "models", "runtime", "vllm", "evaluation", "serving", "commands",
-          "cli")
+LAYERS = ("core", "methods", "models", "runtime", "capacity", "vllm", "jobs", "engines",
+          "evaluation", "bench", "serving", "commands", "cli")
 PLUGIN = "vllm"  # vLLM's entry point loads it; no kvmix module imports it
 TRANSFORMERS_ALLOWED = ("models/loading.py", "runtime/", "serving/")
 VLLM_ALLOWED = ("vllm/",)

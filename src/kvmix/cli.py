@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvmix.commands import parser as make_parser
-from kvmix.evaluation import report
+from kvmix.jobs import report
 
 
 def main(argv: list[str] | None = None) -> int:

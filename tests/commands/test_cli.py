@@ -78,7 +78,7 @@ def test_unknown_data_and_short_text_are_clear_errors(tmp_path):
 def test_the_op_bench_times_synthetic_caches_beside_sdpa_and_the_float_kernel(tmp_path):
     import json
 
-    from kvmix.evaluation.jobs import DEFAULT_MODEL
+    from kvmix.evaluation.inputs import DEFAULT_MODEL
 
     main(["bench", "--shape", "4,2,32", "--context", "1200", "--batch", "1,2", "--methods",
           "kivi2,pnmix1", "--backend", "torch", "--new-tokens", "2", "--rounds", "2",

@@ -180,7 +180,7 @@ def test_fp8_bad_names_list_the_valid_ones():
 
 
 def test_nearest_settings_cover_the_plan_and_say_what_they_cannot_express():
-    from kvmix.evaluation.engines import nearest
+    from kvmix.engines.nearest import nearest
     from kvmix.methods import parse_method
 
     method = parse_method("kivi4")  # 5 bits per key and value element, per-channel keys
@@ -197,7 +197,7 @@ def test_nearest_settings_cover_the_plan_and_say_what_they_cannot_express():
 
 
 def test_vllm_leaves_wider_layers_unquantized_and_llama_cpp_covers_the_widest():
-    from kvmix.evaluation.engines import nearest
+    from kvmix.engines.nearest import nearest
     from kvmix.methods import parse_method
 
     layers = [(4.5, 4.5), (4.5, 4.5), (8.5, 8.5), (4.5, 4.5)]
@@ -218,7 +218,7 @@ def test_vllm_leaves_wider_layers_unquantized_and_llama_cpp_covers_the_widest():
 
 
 def test_engine_flags_of_the_engines_own_formats():
-    from kvmix.evaluation.engines import engine_flags
+    from kvmix.engines.nearest import engine_flags
 
     assert engine_flags("ggml:k=q8_0,v=q4_0") == {
         "llama.cpp": ["-ctk", "q8_0", "-ctv", "q4_0", "-fa", "on"]}
@@ -242,8 +242,8 @@ def test_every_flag_a_plan_emits_is_one_its_engine_release_accepts(name):
     """Every method, every known release of every engine, head dims 32 to 256: the emitted
     values are among the release's accepted ones, skipped layers exist, and the flags of every
     format kvmix simulates name an accepted value."""
-    from kvmix.evaluation.engine_formats import RELEASES
-    from kvmix.evaluation.engines import engine_flags, nearest
+    from kvmix.engines.formats import RELEASES
+    from kvmix.engines.nearest import engine_flags, nearest
 
     method = make(name).method
     layers = [method.bits(i, torch.float32) for i in range(2)]
@@ -263,7 +263,7 @@ def test_every_flag_a_plan_emits_is_one_its_engine_release_accepts(name):
 def test_the_tables_hold_each_releases_accepted_values():
     """As read from the releases' sources (vllm/config/cache.py CacheDType; sglang's
     --kv-cache-dtype choices; llama.cpp's common/arg.cpp kv_cache_types)."""
-    from kvmix.evaluation.engine_formats import RELEASES
+    from kvmix.engines.formats import RELEASES
 
     vllm = {"auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc",
             "fp8_ds_mla", "nvfp4_ds_mla", "turboquant_k8v4", "turboquant_4bit_nc",
@@ -286,7 +286,7 @@ def test_the_tables_hold_each_releases_accepted_values():
 
 
 def test_an_unknown_engine_release_is_refused_listing_the_known_ones():
-    from kvmix.evaluation.engine_formats import parse_versions
+    from kvmix.engines.formats import parse_versions
 
     assert parse_versions("sglang=0.5.20") == {"sglang": "0.5.20"}
     with pytest.raises(ValueError, match=r"sglang release '0.5.19' is unknown; known: 0.5.23, "
@@ -301,7 +301,7 @@ def test_an_unknown_engine_release_is_refused_listing_the_known_ones():
 def test_a_plan_names_its_model_and_is_refused_by_another(tmp_path):
     from conftest import tiny_llama
 
-    from kvmix.evaluation.plans import load_plan, make_plan, save_plan
+    from kvmix.engines.kv_plan import load_plan, make_plan, save_plan
     from kvmix.models.loading import LoadedModel
 
     loaded = LoadedModel(tiny_llama(seed=0), None, "tiny", "test", torch.float32)

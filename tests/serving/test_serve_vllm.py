@@ -21,10 +21,10 @@ import pytest
 from conftest import saved_model, tiny_llama
 
 from kvmix.cli import main
-from kvmix.evaluation import vllm_server
-from kvmix.evaluation.loadtest import log_tail
+from kvmix.engines.process import log_tail
+from kvmix.engines.vllm import server as vllm_server
 from kvmix.models.loading import load_tokenizer
-from kvmix.serving import through_vllm
+from kvmix.serving import vllm_engine as through_vllm
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / vllm_server.DEFAULT_PYTHON
 START_TIMEOUT = 240  # seconds: vLLM's server starts in about half a minute on 2 cores

@@ -206,7 +206,7 @@ def test_vllms_benchmark_client_runs_unmodified(served, client, tokenizer, tmp_p
     tokenizer.save_pretrained(tmp_path)
     endpoint = "/v1/chat/completions" if backend == "openai-chat" else "/v1/completions"
     run = subprocess.run(
-        [str(VLLM_PYTHON), "-m", "kvmix.vllm.bench", "--backend", backend, "--base-url", url,
+        [str(VLLM_PYTHON), "-m", "kvmix.vllm.tools.bench", "--backend", backend, "--base-url", url,
          "--endpoint", endpoint, "--model", "tiny", "--tokenizer", str(tmp_path),
          "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
          "--num-prompts", "6", "--max-concurrency", "3", "--ignore-eos", "--seed", "0",
@@ -762,7 +762,7 @@ def test_the_load_generator_times_every_request_it_sends(served, client):
     """kvmix loadtest's client against the loopback server: four streamed, sampled requests, two
     at a time, each exactly its tokens (32 and 16 in turn); the summary is made of those
     timings; the peaks come from /metrics through prometheus_client's parser."""
-    from kvmix.evaluation.loadtest import quantile, run_level, summary
+    from kvmix.bench.load import quantile, run_level, summary
 
     manager, url = served
     outcomes, wall, peaks = asyncio.run(run_level(url, PROMPTS[:4], [32, 16], 2, TIMEOUT,

@@ -18,12 +18,13 @@ from kvmix.core.quantizers import dequantize_per_token
 from kvmix.core.tree import combine, map_tensors, tagged_tensors
 from kvmix.methods import Blocks, method_classes, parse_method
 from kvmix.runtime.cache import model_spec
+from kvmix.runtime.inside_vllm import laid_out
 from kvmix.runtime.kernels import gpu
 from kvmix.vllm import plan
 from kvmix.vllm.layer import LayerCache, readers, staging_nbytes, token_values_unserved
 from kvmix.vllm.pages import layout
 from kvmix.vllm.plan import Planner, Readers, StagingLost
-from kvmix.vllm.settings import Refused, Settings, laid_out
+from kvmix.vllm.settings import Refused, Settings
 
 G, BLOCK, LAYER, BLOCKS = 8, 16, 1, 12
 LAYERS = TINY["num_hidden_layers"]

@@ -17,7 +17,7 @@ pytest.importorskip("vllm")
 
 from engines import GIB, engine, greedy, prompts, tiny_model_folder
 
-from kvmix.evaluation.vllm_server import VllmServer
+from kvmix.engines.vllm.server import VllmServer
 
 METHOD = {"method": "kivi2"}
 START_TIMEOUT = 240  # seconds: vLLM's server starts in about a minute on 2 cores
@@ -81,7 +81,7 @@ def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
 def test_kvmix_loadtests_client_runs_against_vllms_server(server):
     """``kvmix loadtest``'s client: four streamed requests, two at a time, each exactly its
     tokens; vLLM's running gauge is found in /metrics."""
-    from kvmix.evaluation.loadtest import run_level
+    from kvmix.bench.load import run_level
 
     _, base, _ = server
     texts = [" ".join(f"t{i}" for i in range(5 + k, 40 + k)) for k in range(4)]

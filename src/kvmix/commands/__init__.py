@@ -33,12 +33,10 @@ GROUPS = {
     "choose, deploy and serve": (plan, recommend, calibrate, export, serve, loadtest, report),
     "research studies": (sweep, criteria, pairscore, keyfirst, norms, recon, transforms),
 }
-COMMANDS = tuple(module for modules in GROUPS.values() for module in modules)
 
 ABOUT = """\
 kvmix: truly packed low-bit KV caches for transformers LLMs. Measure what a method
 saves and costs against the float cache, plan what fits, serve it."""
-
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,4 +74,3 @@ def _listing(names: dict[str, list[str]], about: dict[str, str]) -> str:
         lines += ["", f"{group}:", *(f"  {name:<11} {about[name]}" for name in commands)]
     lines += ["", "kvmix COMMAND --help describes a command's options."]
     return "\n".join(lines)
-

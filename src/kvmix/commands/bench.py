@@ -7,9 +7,9 @@ every cache alike:
 transformers' ``DynamicCache`` (``dynamic``) and ``QuantizedCache`` (``quanto2``, ``quanto4``,
 ``hqq2``, ``hqq4``), llama.cpp's own decode through its Python bindings on the same GGUF
 (``llama.cpp:TYPE`` or ``llama.cpp:K/V``, flash attention, the same threads; one build for
-any x86 CPU, ``kvmix.evaluation.llamacpp``), then every kvmix method on every backend.
+any x86 CPU, ``kvmix.engines.llamacpp.build``), then every kvmix method on every backend.
 ``vs_dynamic`` is tokens/s over DynamicCache's at the same prompt in the same run. Memory is
-the allocator's bytes in use (``kvmix.evaluation.resources``): ``steady_bytes`` held after
+the allocator's bytes in use (``kvmix.bench.resources``): ``steady_bytes`` held after
 prefill and warmup above those in use just before the cache was made, ``peak_bytes`` that plus
 the largest rise while decoding (what a step materialises: a float history, a concatenation);
 ``nbytes`` is what the cache itself reports (for transformers' caches, the storages reachable
@@ -23,9 +23,9 @@ weights in C where kvmix runs them dequantized through transformers.
 ``--shape HEADS,KV_HEADS,HEAD_DIM`` times the attention op alone instead, on synthetic caches
 already holding ``--context`` tokens (random keys and values, no prompt) for ``--batch``
 sequences, beside float SDPA and the float variant of the same kernels
-(``kvmix.evaluation.opbench``); no model is loaded.
+(``kvmix.bench.opbench``); no model is loaded.
 
-``--throughput`` measures many sequences at once (``kvmix.evaluation.throughput``): aggregate
+``--throughput`` measures many sequences at once (``kvmix.bench.throughput``): aggregate
 decode tokens/s at each ``--batch``, and at each cache's largest batch within ``--memory`` at
 ``--prompt-tokens`` + ``--budget-tokens`` tokens per sequence (equal memory), beside
 DynamicCache.
@@ -46,15 +46,20 @@ from typing import Any
 import torch
 from rich.progress import Progress
 
+from kvmix.bench import opbench, throughput
+from kvmix.bench.resources import PeakMemory, heap_bytes, synchronize
+from kvmix.capacity import parse_memory
 from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.core.memory import reachable_bytes
-from kvmix.evaluation import llamacpp, opbench, throughput
+from kvmix.engines.llamacpp.build import EngineMissing, bindings
+from kvmix.engines.llamacpp.decoder import Decoder
+from kvmix.engines.llamacpp.slots import PREFIX as LLAMA_PREFIX
+from kvmix.engines.llamacpp.slots import parse_types
+from kvmix.engines.rows import engine_rows
 from kvmix.evaluation.data import load_text
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.evaluation.planner import parse_memory
-from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.report import console, print_table, write_results
-from kvmix.evaluation.resources import PeakMemory, heap_bytes
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.jobs.plots import scatter_lines
+from kvmix.jobs.report import console, finish, print_table, write_results
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, gguf_path, resolve_dtype
 from kvmix.runtime.attention import make_cache
@@ -259,13 +264,13 @@ def _check(config: BenchConfig) -> None:
             raise ValueError(f"--throughput takes one prompt length and budget_tokens >= 0; "
                              f"got prompt_tokens={config.prompt_tokens}, "
                              f"budget_tokens={config.budget_tokens}")
-    engines = llamacpp.settings(config.baselines)
+    engines = engine_rows(config.baselines, LLAMA_PREFIX)
     unknown = sorted(set(config.baselines) - set(BASELINES) - set(engines))
     if unknown:
         raise ValueError(f"baselines {unknown} are unknown; valid: {', '.join(BASELINES)}, "
                          "llama.cpp:TYPE")
     for engine in engines:
-        llamacpp.parse_types(engine)
+        parse_types(engine)
     if engines and (config.shape or config.throughput):
         raise ValueError(f"baselines {engines}: llama.cpp decodes in the per-prompt bench, not "
                          "with --shape or --throughput (kvmix loadtest serves it under load)")
@@ -311,7 +316,7 @@ def _start(model, ids: torch.Tensor, name: str, backend: str, build: Callable,
     runner, cache, selecting = build(model)
     start = time.perf_counter()
     logits = runner(ids.to(runner.device), cache=cache, use_cache=True, logits_to_keep=1).logits
-    throughput.sync(runner.device)
+    synchronize(runner.device)
     prefill = time.perf_counter() - start
     token = logits[:, -1:].argmax(-1)  # [1, 1]
     del logits
@@ -342,11 +347,11 @@ def _kvmix(method: str, backend: str, model) -> tuple[Any, Any, list[float]]:
 def _engines(config: BenchConfig) -> list[str]:
     """The llama.cpp baselines that can run here; one whose bindings are missing is reported
     and left out, and the other rows still run."""
-    engines = llamacpp.settings(config.baselines)
+    engines = engine_rows(config.baselines, LLAMA_PREFIX)
     try:
         if engines:
-            llamacpp.bindings()
-    except llamacpp.EngineMissing as error:
+            bindings()
+    except EngineMissing as error:
         console.print(f"[red]{', '.join(engines)} left out: {error}[/red]")
         config.baselines = [b for b in config.baselines if b not in engines]
         return []
@@ -356,8 +361,8 @@ def _engines(config: BenchConfig) -> list[str]:
 def _engine(name: str, config: BenchConfig, model) -> tuple[Any, Any, list[float]]:
     """llama.cpp on the same GGUF with room for the longest prompt and every decode step."""
     steps = -(-config.new_tokens // config.rounds) * config.rounds + config.warmup + 8
-    decoder = llamacpp.Decoder(gguf_path(config.model), model.config,
-                               *llamacpp.parse_types(name), max(config.prompt_tokens) + steps,
+    decoder = Decoder(gguf_path(config.model), model.config,
+                               *parse_types(name), max(config.prompt_tokens) + steps,
                                torch.get_num_threads())
     return decoder, decoder, [0.0]
 

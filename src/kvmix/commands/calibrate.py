@@ -11,8 +11,8 @@ import torch
 from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.core.transforms import TransformSet, save_transforms
 from kvmix.evaluation.calibration import collect_moments, compute_transforms
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.evaluation.report import console
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.jobs.report import console, finish
 from kvmix.models.loading import LoadedModel
 from kvmix.runtime.attention import make_cache
 

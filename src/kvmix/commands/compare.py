@@ -16,12 +16,13 @@ from kvmix.commands.args import (
     add_length_arguments,
     config_from,
 )
-from kvmix.evaluation import through_vllm
-from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, load_inputs, scored_inputs
-from kvmix.evaluation.plots import plt  # pyplot on the Agg backend
-from kvmix.evaluation.report import console
-from kvmix.evaluation.scoring import Scored, check_lengths, score, summary
+from kvmix.engines.vllm import scoring as vllm_scoring
+from kvmix.engines.vllm.server import DEFAULT_PYTHON
+from kvmix.evaluation.inputs import JobConfig, check_inputs, load_inputs
+from kvmix.evaluation.scoring import Scored, check_lengths, score, scored_inputs, summary
+from kvmix.jobs.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.jobs.plots import plt
+from kvmix.jobs.report import console, finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 
@@ -46,7 +47,7 @@ class CompareConfig(GridConfig, JobConfig):
     eval_tokens: int = 256
     chunk: int = 1
     engine: str = "kvmix"  # vllm: also through vLLM, each method with vLLM's layout
-    vllm_python: str = through_vllm.DEFAULT_PYTHON
+    vllm_python: str = DEFAULT_PYTHON
     vllm_prefill: str = "exact"  # the plugin's prefill (kvmix.runtime.plugin_settings.PREFILLS)
 
 
@@ -57,7 +58,7 @@ def add_parser(commands) -> None:
     add_grid_arguments(parser)
     parser.add_argument("--engine", default="kvmix", help="kvmix, or vllm: every method also "
                         "through vLLM (kvmix's plugin; sink=0, residual=group on both paths)")
-    parser.add_argument("--vllm-python", default=through_vllm.DEFAULT_PYTHON,
+    parser.add_argument("--vllm-python", default=DEFAULT_PYTHON,
                         help="the vLLM environment's interpreter (make vllm builds it)")
     parser.add_argument("--vllm-prefill", default="exact",
                         help="the plugin's prefill: exact (the context a float prefill, as "
@@ -75,7 +76,7 @@ def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> lis
         raise ValueError(f"engine={config.engine!r} is invalid; valid: {', '.join(ENGINES)}")
     for method in config.methods:  # bad method strings fail before loading
         if config.engine == "vllm":
-            through_vllm.check_setting(method)
+            vllm_scoring.check_setting(method)
         else:
             parse_method(method)
     if config.vllm_prefill not in VLLM_PREFILLS:
@@ -145,15 +146,15 @@ def _row(text: str, method, scored: Scored, full: Scored, dtype: torch.dtype) ->
 def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dict]:
     """Each method with vLLM's layout, scored through kvmix's path and through vLLM on the
     same tokens: perplexity and its change from each engine's own float cache."""
-    through_vllm.check_python(config.vllm_python)
-    methods = list(dict.fromkeys(["full", *map(through_vllm.vllm_layout, config.methods)]))
+    vllm_scoring.check_python(config.vllm_python)
+    methods = list(dict.fromkeys(["full", *map(vllm_scoring.vllm_layout, config.methods)]))
     loaded, ids = load_inputs(config, config.context + config.eval_tokens + 1, loaded)
     scored = {name: score(loaded.model, ids, name, config.context, config.chunk,
                           backend=config.backend)
-              for name in dict.fromkeys(map(through_vllm.own_method, methods))}
-    own = {m: scored[through_vllm.own_method(m)] for m in methods}  # kvmix's own path
+              for name in dict.fromkeys(map(vllm_scoring.own_method, methods))}
+    own = {m: scored[vllm_scoring.own_method(m)] for m in methods}  # kvmix's own path
     console.print(f"scoring {len(methods)} methods through vLLM ({config.vllm_python})")
-    engine = through_vllm.score(config.vllm_python, loaded, ids, config.context, methods,
+    engine = vllm_scoring.score(config.vllm_python, loaded, ids, config.context, methods,
                                 config.vllm_prefill)
     rows = [_vllm_row(m, own[m], own["full"], engine[m], engine["full"]) for m in methods]
     finish("compare", config, loaded, rows, f"{config.data} · context {config.context} + "
@@ -163,7 +164,7 @@ def _through_vllm(config: CompareConfig, loaded: LoadedModel | None) -> list[dic
 
 def _vllm_row(method: str, scored: Scored, full: Scored, engine: dict, engine_full: dict
               ) -> dict:
-    row = {"method": method, "resolved": repr(parse_method(through_vllm.own_method(method))),
+    row = {"method": method, "resolved": repr(parse_method(vllm_scoring.own_method(method))),
            **summary(scored, full),
            "vllm_ppl": engine["ppl"], "vllm_delta_ppl": engine["ppl"] - engine_full["ppl"],
            "vllm_seconds": engine["seconds"], "vllm_block_size": engine["block_size"]}

@@ -1,4 +1,5 @@
-"""``kvmix criteria``: PN-Mix's four selection criteria at the same bit budget (SPEC §4.1.7).
+"""``kvmix criteria``: PN-Mix's four selection criteria at the same bit budget
+(docs/guide/evaluation.md, Studies of the papers).
 
 For each criterion: attention KL of decode queries over the quantized context, per layer and
 averaged, plus token KL and perplexity through the cache; a PNG of attention KL per layer.
@@ -12,9 +13,10 @@ from pathlib import Path
 from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
 from kvmix.core.importance import CRITERIA
 from kvmix.evaluation.analysis import attention_kl, capture
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
-from kvmix.evaluation.plots import line_plot
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.evaluation.scoring import check_lengths, score_methods, summary
+from kvmix.jobs.plots import line_plot
+from kvmix.jobs.report import finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 

@@ -1,7 +1,7 @@
 """``kvmix export``: what serving needs. ``--plan METHOD``: a ``kv_plan.json`` (the method's
 widths per layer, layout, transforms' checksum, the model's fingerprint) with the nearest setting
 of each engine and their flags, and the token KL of the plan and of the engine settings kvmix
-simulates, measured on the same text (``kvmix.evaluation.plans``). ``--transforms``: WUSH-KV's
+simulates, measured on the same text (``kvmix.engines.kv_plan``). ``--transforms``: WUSH-KV's
 serving artifacts —
 The model with values folded (``save_pretrained``) and one safetensors file of the
 right-multipliers per (layer, KV head, block), float64, each [L, H, D/block, block, block]:
@@ -17,11 +17,11 @@ from pathlib import Path
 
 from kvmix.commands.args import add_length_arguments, add_renamed
 from kvmix.core.transforms import KINDS, save_multipliers
-from kvmix.evaluation.engine_formats import CURRENT, parse_versions
-from kvmix.evaluation.jobs import JobConfig, load_inputs, score_methods
-from kvmix.evaluation.plans import make_plan, measured_kl, save_plan, simulated
-from kvmix.evaluation.report import console, print_table
-from kvmix.evaluation.scoring import check_lengths, token_kl
+from kvmix.engines.formats import CURRENT, parse_versions
+from kvmix.engines.kv_plan import make_plan, measured_kl, save_plan, simulated
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.evaluation.scoring import check_lengths, score_methods, token_kl
+from kvmix.jobs.report import console, print_table
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, drop_gguf_marker, load_model
 from kvmix.runtime.folding import CONFIG_KEY, prepare_model

@@ -17,8 +17,9 @@ from kvmix.commands.args import (
     add_renamed,
     config_from,
 )
-from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_backend, finish
+from kvmix.evaluation.inputs import JobConfig, check_backend
+from kvmix.jobs.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.jobs.report import finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 

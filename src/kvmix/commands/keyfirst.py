@@ -1,4 +1,5 @@
-"""``kvmix keyfirst``: the key-priority study in one command (SPEC §4.2, seeds/001).
+"""``kvmix keyfirst``: the key-priority study in one command (docs/guide/evaluation.md, Studies of
+the papers).
 
 K2V4 vs K4V2 vs K4V4 vs K2V2 (per-channel keys, per-token values, KIVI's residual of 128), the
 rotated variants (Hadamard on keys only, values only, both), and group sizes (key group 32 vs
@@ -13,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
-from kvmix.evaluation.plots import grouped_bars
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.evaluation.scoring import check_lengths, score_methods, summary
+from kvmix.jobs.plots import grouped_bars
+from kvmix.jobs.report import finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 

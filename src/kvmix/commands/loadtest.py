@@ -4,9 +4,9 @@ one given by ``--url``, or one server per method and baseline it starts itself (
 among ``--baselines``, ``transformers`` for transformers' own paged float cache,
 ``llama.cpp:TYPE`` (or ``llama.cpp:K/V``) for llama.cpp's own ``llama-server`` on the same GGUF
 with that cache type and the most slots whose cache fits the budget
-(``kvmix.evaluation.llamacpp``), ``vllm:METHOD`` (or ``vllm:auto``, ``vllm:fp8``) for vLLM's
+(``kvmix.engines.llamacpp.build``), ``vllm:METHOD`` (or ``vllm:auto``, ``vllm:fp8``) for vLLM's
 OpenAI server with kvmix's plugin (or its own cache) in the same bytes
-(``kvmix.evaluation.vllm_server``) — with requests/s, output tokens/s, time to first token and
+(``kvmix.engines.vllm.server``) — with requests/s, output tokens/s, time to first token and
 per output token (p50/p99), failures, the most requests running and cache bytes held at once,
 and the seconds each server took to start (spawn to ``/health``), side by side in
 ``results.json`` and plots. An engine that is not built or does not come up is reported in its
@@ -22,13 +22,19 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvmix.bench.load import run_level, summary
+from kvmix.capacity import parse_memory
 from kvmix.commands.args import BACKEND_HELP, add_renamed, config_from, warn_renamed
-from kvmix.evaluation import llamacpp, vllm_server
+from kvmix.engines.llamacpp.build import EngineMissing, server_version
+from kvmix.engines.llamacpp.server import LlamaServer
+from kvmix.engines.llamacpp.slots import PREFIX as LLAMA_PREFIX
+from kvmix.engines.llamacpp.slots import SlotPlan, parse_types, plan_slots
+from kvmix.engines.process import LocalServer, ServerDown
+from kvmix.engines.rows import engine_rows
+from kvmix.engines.vllm import server as vllm_server
 from kvmix.evaluation.data import prompt_set
-from kvmix.evaluation.loadtest import LocalServer, ServerDown, run_level, summary
-from kvmix.evaluation.planner import parse_memory
-from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.report import console, print_table, version, write_results
+from kvmix.jobs.plots import scatter_lines
+from kvmix.jobs.report import console, print_table, version, write_results
 from kvmix.methods import parse_method
 from kvmix.serving.launch import ANCHOR
 
@@ -126,7 +132,7 @@ def run_loadtest(config: LoadtestConfig) -> list[dict]:
                     console.print(f"{rows[-1]['method']} · concurrency {concurrency}: "
                                   f"{rows[-1]['output_tokens_per_s']:.1f} output tok/s, "
                                   f"{rows[-1]['failures']} failed")
-        except (llamacpp.EngineMissing, vllm_server.VllmMissing) as error:
+        except (EngineMissing, vllm_server.VllmMissing) as error:
             console.print(f"[red]{method}: {error}[/red]")
             rows.append({"method": method, "error": str(error)})
     title = (f"kvmix loadtest · {config.model} · {config.memory} · {config.prompt_tokens} + "
@@ -158,19 +164,19 @@ def _resolved(method: str | None) -> str | None:
 
 
 def _slot_plans(config: LoadtestConfig, tokenizer, texts: list[str]
-                ) -> dict[str, llamacpp.SlotPlan]:
+                ) -> dict[str, SlotPlan]:
     """Each llama.cpp row's slots within ``--memory``, each request counted as llama.cpp
     tokenizes the prompt text again (with its BOS) plus the most output tokens; ValueError
     before any server starts when no slot fits."""
     from kvmix.models.loading import load_config
 
-    engines = [] if config.url else llamacpp.settings(config.baselines)
+    engines = [] if config.url else engine_rows(config.baselines, LLAMA_PREFIX)
     if not engines:
         return {}
     model_config, _ = load_config(config.model)
     prompt = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts)
     per_request = prompt + 1 + max(config.new_tokens)
-    return {m: llamacpp.plan_slots(model_config, *llamacpp.parse_types(m),
+    return {m: plan_slots(model_config, *parse_types(m),
                                    parse_memory(config.memory), per_request,
                                    max(config.concurrency)) for m in engines}
 
@@ -189,10 +195,10 @@ def _counts(config: LoadtestConfig) -> list[int]:
     if not 0 <= config.temperature <= 2:
         raise ValueError(f"temperature={config.temperature} is invalid; expected 0 to 2")
     _check_servers(config)
-    engines = [] if config.url else llamacpp.settings(config.baselines)
+    engines = [] if config.url else engine_rows(config.baselines, LLAMA_PREFIX)
     for method in engines:
-        llamacpp.parse_types(method)
-    for method in [] if config.url else vllm_server.settings(config.baselines):
+        parse_types(method)
+    for method in [] if config.url else engine_rows(config.baselines, vllm_server.PREFIX):
         vllm_server.parse(method)
     if engines:
         from kvmix.models.loading import gguf_path
@@ -216,7 +222,7 @@ def _moved_baselines(config: LoadtestConfig) -> LoadtestConfig:
 
 
 def _baseline(name: str) -> bool:
-    return name == ANCHOR or bool(llamacpp.settings([name]) or vllm_server.settings([name]))
+    return name == ANCHOR or name.startswith((LLAMA_PREFIX, vllm_server.PREFIX))
 
 
 def _check_servers(config: LoadtestConfig) -> None:
@@ -236,7 +242,7 @@ def _tokens(config: LoadtestConfig) -> str:
 
 
 @contextlib.contextmanager
-def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan | None):
+def _server(config: LoadtestConfig, method: str | None, plan: SlotPlan | None):
     """The server a row measures, until the block ends -> (its URL, what the row records about
     it): the given URL, llama-server for a llama.cpp row, else ``kvmix serve``."""
     if method is None:
@@ -247,7 +253,7 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
         from kvmix.models.loading import gguf_path
 
         with _log_folder(config) as folder:
-            server = llamacpp.LlamaServer(gguf_path(config.model), plan,
+            server = LlamaServer(gguf_path(config.model), plan,
                                           torch.get_num_threads(),
                                           folder / f"{method.replace('/', '-')}.log")
             with server as url:
@@ -256,7 +262,7 @@ def _server(config: LoadtestConfig, method: str | None, plan: llamacpp.SlotPlan 
                             "planned_cache_bytes": plan.bytes,
                             "cpu_variant": server.cpu_variant,
                             "resolved": " ".join(server.command(0)[1:]),
-                            "engine": llamacpp.server_version()}
+                            "engine": server_version()}
     elif method.startswith(vllm_server.PREFIX):
         from kvmix.models.loading import model_folder
 

@@ -1,6 +1,6 @@
-"""``kvmix longgen``: long greedy generation against the ``full`` cache (SPEC §6) — where each
-method's output first leaves ``full``'s (a survival curve), exact match and chrF of the texts,
-and the KL of its next-token distributions along ``full``'s trajectory (teacher-forced) and
+"""``kvmix longgen``: long greedy generation against the ``full`` cache (docs/guide/evaluation.md) —
+where each method's output first leaves ``full``'s (a survival curve), exact match and chrF of the
+texts, and the KL of its next-token distributions along ``full``'s trajectory (teacher-forced) and
 along its own (free-running); the gap between the two is error compounding.
 
 Samples are appended to ``samples.jsonl`` as they finish; a rerun with the same settings and
@@ -18,10 +18,10 @@ from pathlib import Path
 from kvmix.commands.args import add_grid_arguments, add_job_arguments, config_from
 from kvmix.evaluation.data import prompt_set
 from kvmix.evaluation.generation import first_divergence, paired_decode, survival
-from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_backend, finish
-from kvmix.evaluation.plots import line_plot, scatter_lines
-from kvmix.evaluation.report import console
+from kvmix.evaluation.inputs import JobConfig, check_backend
+from kvmix.jobs.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.jobs.plots import line_plot, scatter_lines
+from kvmix.jobs.report import console, finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, load_config, load_tokenizer, max_positions
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvmix.evaluation.report import print_table
+from kvmix.jobs.report import print_table
 from kvmix.methods import method_classes, parameters, presets
 from kvmix.runtime.kernels import cpu
 

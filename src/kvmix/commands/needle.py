@@ -11,10 +11,10 @@ from rich.progress import Progress
 
 from kvmix.commands.args import add_job_arguments, add_renamed, config_from
 from kvmix.evaluation.data import load_text
-from kvmix.evaluation.jobs import JobConfig, check_backend, finish
+from kvmix.evaluation.inputs import JobConfig, check_backend
 from kvmix.evaluation.needle import ANSWER_TOKENS, KINDS, answers, build, correct, overhead
-from kvmix.evaluation.plots import heatmap
-from kvmix.evaluation.report import console
+from kvmix.jobs.plots import heatmap
+from kvmix.jobs.report import console, finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, load_model, max_positions
 

@@ -1,4 +1,5 @@
-"""``kvmix norms``: are W_K's norms larger than W_V's? (SPEC §4.2, seeds/001)
+"""``kvmix norms``: are W_K's norms larger than W_V's? (docs/guide/evaluation.md, Studies of the
+papers)
 
 Per layer (and per KV head in the JSON): spectral and Frobenius norms of the key and value
 projections, their ratios, and the share of layers where the keys' norm is the larger.
@@ -10,8 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmix.commands.args import add_job_arguments, config_from
-from kvmix.evaluation.jobs import JobConfig, finish
-from kvmix.evaluation.plots import grouped_bars
+from kvmix.evaluation.inputs import JobConfig
+from kvmix.jobs.plots import grouped_bars
+from kvmix.jobs.report import finish
 from kvmix.models.loading import LoadedModel, load_model
 from kvmix.models.weights import kv_weights, weight_norms
 

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Callable
 from pathlib import Path
 
-from kvmix.evaluation.report import cell
+from kvmix.jobs.report import cell
 
 RUNS = Path("docs/benchmarks/runs")  # below the repository's root
 SERIES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}  # as scraped

@@ -1,6 +1,7 @@
 """``kvmix pairscore``: does PN-Mix's separable score ``E‖q_p‖·E‖k_p‖`` rank RoPE pairs like the
 causal score ``mean_{i≥j} ‖q_{i,p}‖‖k_{j,p}‖``? Spearman correlation and top-``ratio`` overlap
-per layer and KV head, over a prefilled context (the paper's validation, SPEC §4.1.1)."""
+per layer and KV head, over a prefilled context (the PN-Mix paper's validation;
+docs/guide/evaluation.md)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from pathlib import Path
 
 from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.evaluation.analysis import capture, pair_score_agreement
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.evaluation.plots import line_plot
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.jobs.plots import line_plot
+from kvmix.jobs.report import finish
 from kvmix.models.loading import LoadedModel
 
 COLUMNS = {"layer": "layer", "spearman_mean": "Spearman mean", "spearman_min": "Spearman min",

@@ -1,6 +1,6 @@
 """``kvmix plan``: will it fit, how big a batch, how long a generation, and how fast (an
 estimate) — for a model config and an accelerator (``--hardware``), per KV method (see
-kvmix.evaluation.planner).
+kvmix.capacity).
 
 ``--calibrate BENCH_JSON`` sets the roofline beside measurements instead: it measures this
 machine's copy bandwidth and matmul FLOP/s and predicts the decode time of every row of a
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from kvmix.commands.args import add_renamed, config_from
-from kvmix.evaluation.planner import (
+from kvmix.bench.resources import matmul_flops, memory_bandwidth
+from kvmix.capacity import (
     DEFAULT_OVERHEAD,
     DEVICES,
     WEIGHT_BITS,
@@ -29,9 +29,9 @@ from kvmix.evaluation.planner import (
     planned,
     roofline,
 )
-from kvmix.evaluation.plots import capacity_plot
-from kvmix.evaluation.report import console, print_table, write_results
-from kvmix.evaluation.resources import matmul_flops, memory_bandwidth
+from kvmix.commands.args import add_renamed, config_from
+from kvmix.jobs.plots import capacity_plot
+from kvmix.jobs.report import console, print_table, write_results
 from kvmix.models.catalog import architecture, bundled
 from kvmix.models.loading import DTYPES
 

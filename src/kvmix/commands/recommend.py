@@ -4,7 +4,7 @@ modes through ``pertoken``) on the same text, then
 picks, under a bit budget (``--budget``: effective bits per element, sink and residual priced at
 16 bits), the lowest token KL, or under a KL ceiling (``--max-kl``) the fewest bits. Each row
 carries the engine flags that run it, or, for kvmix's methods, the nearest engine setting and
-what it cannot express (``kvmix.evaluation.engines``), each marked measured (kvmix simulates it)
+what it cannot express (``kvmix.engines.nearest``), each marked measured (kvmix simulates it)
 or from the source (bits only)."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmix.commands.args import add_job_arguments, add_length_arguments, config_from
-from kvmix.evaluation.engine_formats import CURRENT
-from kvmix.evaluation.engines import engine_flags, nearest
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
-from kvmix.evaluation.plans import bound
-from kvmix.evaluation.report import console
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.engines.formats import CURRENT
+from kvmix.engines.kv_plan import bound
+from kvmix.engines.nearest import engine_flags, nearest
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.evaluation.scoring import check_lengths, score_methods, summary
+from kvmix.jobs.report import console, finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 from kvmix.runtime.cache import model_spec

@@ -1,5 +1,5 @@
 """``kvmix recon``: at equal bits, how much worse are quantized keys than quantized values?
-(SPEC §4.2, seeds/001)
+(docs/guide/evaluation.md, Studies of the papers)
 
 On real activations (a full-precision prefill of ``context`` tokens, then ``queries`` decode
 queries), per layer and for 1, 2, 3 and 4 bits: the relative (and RMS) reconstruction error of
@@ -19,8 +19,9 @@ import torch
 from kvmix.commands.args import add_job_arguments, config_from
 from kvmix.core.quantizers import dequantize, dequantize_per_token, quantize, quantize_per_token
 from kvmix.evaluation.analysis import Captured, capture
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs
-from kvmix.evaluation.plots import line_plot
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.jobs.plots import line_plot
+from kvmix.jobs.report import finish
 from kvmix.models.loading import LoadedModel
 
 COLUMNS = {"bits": "bits", "key_error": "key rel. err", "value_error": "value rel. err",

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvmix.commands import pages
 from kvmix.commands.args import config_from
-from kvmix.evaluation.report import console, print_table
+from kvmix.jobs.report import console, print_table
 
 
 @dataclass

@@ -3,7 +3,7 @@ batching keeps every request's KV cache in kvmix's packed pool, admitted by byte
 (``--memory``); ``--method transformers`` serves with transformers' own paged float cache of the
 same bytes instead (the anchor of ``kvmix loadtest``). ``--engine vllm`` serves through vLLM's
 OpenAI server and kvmix's plugin instead, as ``kvmix loadtest``'s ``vllm:`` rows start it
-(``kvmix.serving.through_vllm``)."""
+(``kvmix.serving.vllm_engine``)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from typing import Any
 
 import yaml
 
-from kvmix.evaluation.report import console
+from kvmix.jobs.report import console
 from kvmix.serving.launch import ANCHOR, Scale, ServeConfig, build, deploy_config, require_ray
-from kvmix.serving.through_vllm import VllmEngine, describe, prepare
+from kvmix.serving.vllm_engine import VllmEngine, describe, prepare
 
 
 def add_parser(commands) -> None:

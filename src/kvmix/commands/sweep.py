@@ -1,4 +1,5 @@
-"""``kvmix sweep``: the bit-rate Pareto curve of PN-Mix and Kitty (SPEC §4.1.9, seeds/000).
+"""``kvmix sweep``: the bit-rate Pareto curve of PN-Mix and Kitty (docs/guide/evaluation.md, Studies
+of the papers).
 
 Both methods are set to average key bits of 3.0, 2.5, 2.25, 2.0 and 1.5 (group 128, so 0.25 bits
 of float16 scale and minimum per element), with values fixed at 2 bits for every method:
@@ -25,10 +26,11 @@ from kvmix.commands.args import (
     add_length_arguments,
     config_from,
 )
-from kvmix.evaluation.grid import Grid, GridConfig, Worker, check_grid, merged
-from kvmix.evaluation.jobs import JobConfig, check_inputs, finish, scored_inputs
-from kvmix.evaluation.plots import scatter_lines
-from kvmix.evaluation.scoring import check_lengths, score, summary
+from kvmix.evaluation.inputs import JobConfig, check_inputs
+from kvmix.evaluation.scoring import check_lengths, score, scored_inputs, summary
+from kvmix.jobs.grid import Grid, GridConfig, Worker, check_grid, merged
+from kvmix.jobs.plots import scatter_lines
+from kvmix.jobs.report import finish
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel
 

@@ -15,9 +15,10 @@ from kvmix.commands.args import add_job_arguments, add_length_arguments, config_
 from kvmix.commands.calibrate import CalibrateConfig, run_calibrate
 from kvmix.core.transforms import KINDS
 from kvmix.evaluation.analysis import capture, layer_errors
-from kvmix.evaluation.jobs import JobConfig, finish, load_inputs, score_methods
-from kvmix.evaluation.plots import line_plot
-from kvmix.evaluation.scoring import check_lengths, summary
+from kvmix.evaluation.inputs import JobConfig, load_inputs
+from kvmix.evaluation.scoring import check_lengths, score_methods, summary
+from kvmix.jobs.plots import line_plot
+from kvmix.jobs.report import finish
 from kvmix.methods import parse_method
 from kvmix.methods.wush import QUANTIZERS
 from kvmix.models.loading import LoadedModel

@@ -1,4 +1,5 @@
-"""Key-priority bit allocation (SPEC §4.2): per-layer key and value bits under an average budget.
+"""Key-priority bit allocation (docs/guide/methods.md): per-layer key and value bits under an
+average budget.
 
 Minimises the norm-weighted error proxy ``Σ_l ‖W_K,l‖² 4^(−b_K,l) + ‖W_V,l‖² 4^(−b_V,l)`` by greedy
 integer water-filling: every width starts at the smallest allowed one, then the step with the

@@ -1,4 +1,4 @@
-"""Channel and RoPE-pair importance (SPEC §4.1): the PN-Mix criterion and the ones it is
+"""Channel and RoPE-pair importance (docs/guide/methods.md): the PN-Mix criterion and the ones it is
 compared with, the causal score it approximates, and rank agreement between scores.
 
 Shapes: queries [B, Hq, T, D], keys [B, Hkv, T, D], valid [B, T] (True = not padding), pairs

@@ -163,7 +163,7 @@ def _codes(
     return steps.clamp_(0, 2**bits - 1).to(torch.uint8)
 
 
-# -- clipped quantizers (SPEC §3), per token over transformed channels -------------------------
+# -- clipped quantizers (WUSH-KV, arXiv:2609.38121), per token over transformed channels ----------
 
 QUEST_CLIP = {1: 0.7979, 2: 1.4935, 3: 2.0511, 4: 2.5139, 8: 3.8849}
 

@@ -45,7 +45,7 @@ KINDS = ("identity", "hadamard", "wus", "wush")
 def block_transform(sigma: torch.Tensor, weight: torch.Tensor, kind: str, block: int,
                     damping: float) -> torch.Tensor:
     """The block-diagonal transform T [D, D] (float64) for a quantized factor x with second
-    moment ``sigma`` [D, D] multiplied by ``weight`` [m, D] (SPEC §5):
+    moment ``sigma`` [D, D] multiplied by ``weight`` [m, D] (WUSH-KV, arXiv:2609.38121):
 
     ``UᵀU = Σ + λI`` (upper Cholesky), ``U Wᵀ = V S Yᵀ`` (SVD), ``T = H·diag(s^½)·Vᵀ·U^{−ᵀ}``;
     ``wus`` omits H. λ = ``damping`` × the block's mean diagonal, so a singular moment works,

@@ -1,2 +1,3 @@
-"""Evaluation: offline text, scoring through the cache (perplexity, token KL), analyses over
-captured attention inputs, WUSH calibration, reports and plots, and the plumbing commands share."""
+"""Quality evaluation: offline text, scoring through the cache (perplexity, token KL), long
+generation, needle retrieval, lm-evaluation-harness tasks, analyses over captured attention
+inputs and WUSH calibration."""

@@ -1,5 +1,6 @@
 """Analyses over captured attention inputs: attention KL of a method's reconstructed keys
-(SPEC §6) and the agreement of PN-Mix's separable pair score with the causal one (SPEC §4.1).
+(docs/guide/evaluation.md) and the agreement of PN-Mix's separable pair score with the causal one
+(docs/guide/methods.md).
 
 ``capture`` runs the model at full precision over a context and the decode tokens after it, and
 keeps each layer's post-RoPE queries, keys and values.

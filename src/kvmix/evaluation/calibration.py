@@ -1,5 +1,5 @@
 """WUSH-KV calibration: second moments of post-RoPE keys, the group's queries and values on
-calibration text, and the WUSH-KV transforms built from them (SPEC §5, seeds/004).
+calibration text, and the WUSH-KV transforms built from them (WUSH-KV, arXiv:2609.38121).
 
 Per layer and KV head: ``Σ_k = E[k kᵀ]``, ``Σ_q`` = the mean over the group's query heads of
 ``E[q qᵀ]``, ``Σ_v = E[v vᵀ]``. Keys use the query side as their weight (W with WᵀW = Σ_q + λI);
@@ -14,7 +14,7 @@ import torch
 from rich.progress import Progress
 
 from kvmix.core.transforms import KINDS, block_transform
-from kvmix.evaluation.report import console
+from kvmix.jobs.report import console
 from kvmix.models.weights import output_weights
 from kvmix.runtime.attention import make_cache, observe_attention
 

@@ -1,5 +1,5 @@
-"""Text that works offline (SPEC §9): ``prose`` (CPython's pydoc topics), ``code`` (CPython's
-own standard-library sources) or any text file."""
+"""Text that works offline (docs/guide/methods.md, Models): ``prose`` (CPython's pydoc topics),
+``code`` (CPython's own standard-library sources) or any text file."""
 
 from __future__ import annotations
 

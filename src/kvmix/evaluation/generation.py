@@ -1,7 +1,7 @@
-"""Long generation through the cache (SPEC §6): where a method's greedy output leaves the
-``full`` cache's, and how its next-token distributions drift, along ``full``'s trajectory
-(teacher-forced) and along its own (free-running, re-scored by ``full``). The gap between the
-two is error compounding: the method reading its own quantized history.
+"""Long generation through the cache (docs/guide/evaluation.md): where a method's greedy output
+leaves the ``full`` cache's, and how its next-token distributions drift, along ``full``'s trajectory
+(teacher-forced) and along its own (free-running, re-scored by ``full``). The gap between the two is
+error compounding: the method reading its own quantized history.
 
 Batches are left-padded; every sequence keeps its own cache rows, so a batch gives each prompt
 exactly what it would get alone.

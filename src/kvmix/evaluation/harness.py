@@ -31,7 +31,7 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
-from kvmix.evaluation.report import versions
+from kvmix.jobs.report import versions
 from kvmix.methods import parse_method
 from kvmix.models.loading import DEFAULT_MODEL, LoadedModel, load_model, max_positions
 from kvmix.runtime.attention import make_cache

@@ -1,4 +1,4 @@
-"""Evaluation through the cache (SPEC §6).
+"""Evaluation through the cache (docs/guide/evaluation.md).
 
 A single forward pass never reads the cache, so perplexity is measured by prefilling a context
 and then scoring the following tokens by teacher-forced decoding in chunks, each chunk attending
@@ -11,10 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from rich.progress import Progress
 
+from kvmix.evaluation.inputs import load_inputs
+from kvmix.jobs.report import console
 from kvmix.methods import Method
+from kvmix.models.loading import LoadedModel
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
@@ -106,3 +111,30 @@ def summary(scored: Scored, full: Scored) -> dict:
             "effective_bits": 16 * (scored.nbytes_16bit - static) / scored.nbytes_fp16,
             "ppl": scored.ppl, "delta_ppl": scored.ppl - full.ppl,
             "token_kl": token_kl(full.logprobs, scored.logprobs), "seconds": scored.seconds}
+
+
+def score_methods(loaded: LoadedModel, ids: torch.Tensor, methods: list[str], context: int,
+                  chunk: int, backend: str = "auto") -> dict[str, Scored]:
+    """Score each distinct method string once, in order, over the same tokens."""
+    for method in dict.fromkeys(methods):  # every method binds to the model before any work
+        make_cache(prepare_model(loaded.model, method), method, backend)
+    results: dict[str, Scored] = {}
+    with Progress(console=console, transient=True) as bar:
+        for method in dict.fromkeys(methods):
+            task = bar.add_task(method, total=ids.shape[1] - context - 1)
+            results[method] = score(loaded.model, ids, method, context, chunk,
+                                    progress=lambda n, t=task: bar.advance(t, n),
+                                    backend=backend)
+    return results
+
+
+def scored_inputs(worker: Any, config: Any) -> tuple[LoadedModel, torch.Tensor, Scored]:
+    """A grid worker's model, the config's ``context + eval_tokens + 1`` tokens [1, n] and the
+    ``full`` cache's scores of them (what every method is measured against), made once per
+    worker."""
+    loaded = worker.loaded
+    ids = worker.memo("ids", lambda: load_inputs(
+        config, config.context + config.eval_tokens + 1, loaded)[1])
+    full = worker.memo("full", lambda: score(loaded.model, ids, "full", config.context,
+                                             config.chunk, backend=config.backend))
+    return loaded, ids, full

@@ -1,5 +1,6 @@
-"""Quantization backends for ``kxvy`` (SPEC §4.2): kvmix's own quantizers (``native``), and the two
-libraries the key-priority paper validated with, Optimum Quanto (``quanto``) and HQQ (``hqq``).
+"""Quantization backends for ``kxvy`` (docs/guide/methods.md): kvmix's own quantizers (``native``),
+and the two libraries the key-priority paper validated with, Optimum Quanto (``quanto``) and HQQ
+(``hqq``).
 
 A library backend quantizes *rows*: keys [B, H, G, D] become rows of the G tokens of one channel
 ([B, H·D, G]: per-channel groups of ``group`` tokens); values become rows of ``value_group``

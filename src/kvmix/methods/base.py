@@ -123,7 +123,7 @@ def choice(value: Any, name: str, valid: tuple[str, ...]) -> None:
 
 @dataclass
 class Method:
-    """Cache layout parameters shared by every method (SPEC §2).
+    """Cache layout parameters shared by every method (docs/design/cache-layout.md).
 
     sink: leading tokens kept at full precision; residual: capacity ``R`` of the full-precision
     tail; group: tokens per quantized block (the key group), which must divide ``residual``;

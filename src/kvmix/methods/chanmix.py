@@ -1,4 +1,4 @@
-"""``chanmix``: ChanMix, per-channel precision classes averaging 2 key bits (SPEC §4.3).
+"""``chanmix``: ChanMix, per-channel precision classes averaging 2 key bits (docs/guide/methods.md).
 
 Channels differ in sensitivity. At prefill, once, each (sequence, layer, KV head) sorts its key
 channels into four classes, in this order:
@@ -45,7 +45,6 @@ from kvmix.methods.base import (
 )
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
-CLASS_NAMES = ("retrieval", "outlier", "normal", "subnormal")
 
 
 @dataclass

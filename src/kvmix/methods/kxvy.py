@@ -1,5 +1,5 @@
-"""``kxvy``: key-priority bit allocation ("more bits for keys, fewer for values", SPEC §4.2;
-seeds/001).
+"""``kxvy``: key-priority bit allocation ("more bits for keys, fewer for values",
+docs/guide/methods.md).
 
 Keys are quantized per channel over groups of ``group`` tokens and values per token over groups of
 ``value_group`` channels, both asymmetric min-max with a float16 scale and minimum, at independent

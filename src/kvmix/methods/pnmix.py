@@ -1,4 +1,4 @@
-"""``pnmix``: PN-Mix, pair-norm guided mixed-precision keys (SPEC §4.1; seeds/000).
+"""``pnmix``: PN-Mix, pair-norm guided mixed-precision keys (docs/guide/methods.md).
 
 Quantizing a key pair perturbs the logit ``q·k = Σ_p ‖q_p‖‖k_p‖ cos φ_p`` in proportion to
 ``‖q_p‖·‖k_p‖``, so at prefill, once, PN-Mix scores every RoPE pair of every (sequence, layer,

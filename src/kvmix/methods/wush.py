@@ -1,4 +1,4 @@
-"""``wush``: WUSH-KV, calibrated transforms with clipped quantizers (SPEC §5, seeds/004).
+"""``wush``: WUSH-KV, calibrated transforms with clipped quantizers (WUSH-KV, arXiv:2609.38121).
 
 Keys are transformed after RoPE as they enter the cache (``k' = T_k k``) and queries by
 ``T_k^{-ᵀ}`` in the attention hook, so ``q'·k' = q·k``. Values are transformed by weights folded

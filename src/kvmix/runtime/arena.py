@@ -1,6 +1,6 @@
-"""Float slots of many rows in one arena (SPEC §2): the sink and residual of kvmix's own cache
-(``BatchStore``) and the open groups staged by its vLLM plugin (``kvmix.vllm.layer``) live in
-this one storage.
+"""Float slots of many rows in one arena (docs/design/cache-layout.md): the sink and residual of
+kvmix's own cache (``BatchStore``) and the open groups staged by its vLLM plugin
+(``kvmix.vllm.layer``) live in this one storage.
 
 Keys and values are one tensor each, [1, H, N, D] in the slot dtype (``Method.slot_dtype``:
 float16 for a quantizing method in a float32 model, or the plugin's ``staging``). Row b owns

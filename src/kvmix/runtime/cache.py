@@ -1,5 +1,5 @@
-"""The packed KV cache (SPEC §2) as a transformers ``Cache``: one ``KVMixLayer`` per
-full-attention or sliding-window layer (the window's pages only), transformers' own layers for
+"""The packed KV cache (docs/design/cache-layout.md) as a transformers ``Cache``: one ``KVMixLayer``
+per full-attention or sliding-window layer (the window's pages only), transformers' own layers for
 the others (chunked attention, ...), and the cache-wide figures (bytes held, bytes by the bit
 formula, bits per element)."""
 

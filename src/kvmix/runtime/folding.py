@@ -1,4 +1,4 @@
-"""Folding value transforms into the model's weights (SPEC §5).
+"""Folding value transforms into the model's weights (WUSH-KV, arXiv:2609.38121).
 
 ``v' = T_v v`` is produced by ``W_V ← T_v W_V`` (and its bias) and undone inside ``W_O`` for every
 query head of the group (``W_O,h ← W_O,h T_v^{-1}``), so values need no online work. By default

@@ -1,11 +1,11 @@
 """A full-attention layer's packed cache under transformers' ``CacheLayerMixin`` contract.
 
-transformers sees one tensor of ``T`` positions per layer, left-padded across the batch; kvmix
-keeps every sequence's real tokens only, batch-shaped (``BatchStore``: float slots, a block
-table into the layer's ``PagePool``), so each sequence's sink, group boundaries and statistics
-are its own (SPEC §2: the same cache alone or in a padded batch), and padding costs no storage.
-``pads[b]`` is how many leading positions of row ``b`` are padding (read from the mask once, at
-a prompt).
+transformers sees one tensor of ``T`` positions per layer, left-padded across the batch; kvmix keeps
+every sequence's real tokens only, batch-shaped (``BatchStore``: float slots, a block table into the
+layer's ``PagePool``), so each sequence's sink, group boundaries and statistics are its own
+(docs/design/cache-layout.md: the same cache alone or in a padded batch), and padding costs no
+storage. ``pads[b]`` is how many leading positions of row ``b`` are padding (read from the mask
+once, at a prompt).
 
 ``update`` only stages the new tokens; the attention function registered by
 ``kvmix.runtime.attention`` then calls ``attend``, which attends each sequence over its own

@@ -1,4 +1,4 @@
-"""Sealed pages of one cache layer (SPEC §2, "many sequences").
+"""Sealed pages of one cache layer (docs/design/cache-layout.md, Batch-shaped storage).
 
 A page is one encoded block: ``group`` tokens × every KV head, exactly the method's ``encode``
 output for one block (codes and statistics, bit for bit). The pool keeps every tensor of that

@@ -1,5 +1,5 @@
-"""Every sequence's packed segments in one layer (SPEC §2): ``[ sink | pages | residual ]``,
-batch-shaped.
+"""Every sequence's packed segments in one layer (docs/design/cache-layout.md): ``[ sink | pages |
+residual ]``, batch-shaped.
 
 Per sequence the semantics are unchanged: the sink is its first ``sink`` real tokens; new tokens
 enter the residual; whenever it holds ``residual`` tokens its oldest ``group`` tokens are encoded

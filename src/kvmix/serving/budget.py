@@ -1,5 +1,5 @@
-"""Admission by bytes (SPEC §11): how the cache's storage splits the budget, and what one
-request reserves of it.
+"""Admission by bytes (docs/guide/serving.md): how the cache's storage splits the budget, and what
+one request reserves of it.
 
 At start-up the budget is split for requests of ``length`` tokens: ``rows`` requests of that
 length fit it by the planner's formula (pages at the method's bits, selection, float slots for
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvmix.evaluation.planner import kv_bytes
+from kvmix.capacity import kv_bytes
 from kvmix.methods import Method
 from kvmix.models.catalog import SLIDING, Architecture, from_config
 from kvmix.runtime.accounting import layout, page_bytes, segment_bytes

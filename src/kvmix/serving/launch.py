@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from kvmix.evaluation.grid import RAY_EXTRA
-from kvmix.evaluation.planner import parse_memory
+from kvmix.capacity import parse_memory
+from kvmix.jobs.ray import RAY_EXTRA
 from kvmix.methods import parse_method
 
 ANCHOR = "transformers"  # transformers' own continuous batching and paged float cache
@@ -81,7 +81,7 @@ def check(config: ServeConfig) -> None:
 def planned_rows(config: ServeConfig) -> int:
     """How many requests of ``fit_prompt + max_tokens`` tokens one server's budget runs at
     once, by the planner's formula, from the model's configuration alone (no weights)."""
-    from kvmix.evaluation.planner import bound
+    from kvmix.capacity import bound
     from kvmix.models.catalog import from_config
     from kvmix.models.loading import load_config, resolve_dtype
     from kvmix.serving.anchor import PAGE

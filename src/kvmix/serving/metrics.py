@@ -1,9 +1,9 @@
-"""``/metrics`` through ``prometheus_client`` (SPEC §11): the gauges gateways route on —
-``kvmix:num_requests_waiting``, ``kvmix:num_requests_running``, ``kvmix:kv_cache_usage_perc``
-(the share of the cache budget admitted requests reserve, 0 to 1, as vLLM's) — the cache's
-pages and bytes, read from the generation loop's figures at each scrape; and, counted by the
-server as requests end, histograms of time to first token, time per output token and request
-latency, prompt and output tokens, requests finished by reason and failed by cause."""
+"""``/metrics`` through ``prometheus_client`` (docs/guide/serving.md): the gauges gateways route on
+— ``kvmix:num_requests_waiting``, ``kvmix:num_requests_running``, ``kvmix:kv_cache_usage_perc`` (the
+share of the cache budget admitted requests reserve, 0 to 1, as vLLM's) — the cache's pages and
+bytes, read from the generation loop's figures at each scrape; and, counted by the server as
+requests end, histograms of time to first token, time per output token and request latency, prompt
+and output tokens, requests finished by reason and failed by cause."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Continuous batching on transformers' own machinery with kvmix's packed pool underneath
-(SPEC §11): transformers' scheduler, request states, output routing and streaming decide which
-requests run at each step; every attention layer keeps its tokens in a ``KVMixLayer`` (float
-slots and a page pool, one row per running request).
+(docs/guide/serving.md): transformers' scheduler, request states, output routing and streaming
+decide which requests run at each step; every attention layer keeps its tokens in a ``KVMixLayer``
+(float slots and a page pool, one row per running request).
 
 The seam (transformers 5.24; the private parts are why the pin is exact):
 
@@ -48,7 +48,7 @@ from transformers.generation.continuous_batching.initialization import (
     update_cb_config_after_cache_creation,
 )
 
-from kvmix.evaluation.planner import parse_memory
+from kvmix.capacity import parse_memory
 from kvmix.methods import Method, parse_method
 from kvmix.models.catalog import FULL, SLIDING, Architecture
 from kvmix.runtime.attention import build_cache, check_window

@@ -1,8 +1,8 @@
-"""The OpenAI request bodies ``kvmix serve`` takes, parsed once where they enter (SPEC §11):
-pydantic models in strict mode (a number for a number, a string for a string), every field
-honoured or refused. A field the OpenAI API defines that kvmix serve does not apply is refused
-with a message naming it unless it holds its neutral value; an unknown field is refused too.
-``ParseError`` carries the message of the first problem, naming the field (HTTP 400).
+"""The OpenAI request bodies ``kvmix serve`` takes, parsed once where they enter
+(docs/guide/serving.md): pydantic models in strict mode (a number for a number, a string for a
+string), every field honoured or refused. A field the OpenAI API defines that kvmix serve does not
+apply is refused with a message naming it unless it holds its neutral value; an unknown field is
+refused too. ``ParseError`` carries the message of the first problem, naming the field (HTTP 400).
 
 Every field is bounded before any work: numbers to ranges the sampler computes without
 overflow, strings and lists to the ``MAX_*`` caps below (stop strings as OpenAI's: 4, here of

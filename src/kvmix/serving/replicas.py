@@ -1,5 +1,5 @@
-"""``kvmix serve --ray``: replicas of ``kvmix serve`` on Ray Serve (SPEC §12), routed by free
-packed pages and autoscaled on KV utilisation. Ray is the cluster manager, the router and the
+"""``kvmix serve --ray``: replicas of ``kvmix serve`` on Ray Serve (docs/guide/ray.md), routed by
+free packed pages and autoscaled on KV utilisation. Ray is the cluster manager, the router and the
 autoscaler; kvmix supplies what they decide on.
 
 * ``Replica`` — the deployment. Its constructor builds what ``kvmix serve`` builds (model,
@@ -31,7 +31,7 @@ from ray import serve
 from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.request_router import FIFOMixin, RequestRouter
 
-from kvmix.evaluation.grid import reachable
+from kvmix.jobs.ray import reachable
 from kvmix.serving.launch import Scale, ServeConfig, build, check, planned_rows
 
 ROUTER = "kvmix.serving.replicas:FreePagesRouter"

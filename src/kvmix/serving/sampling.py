@@ -1,4 +1,4 @@
-"""Per-request sampling on transformers' continuous batching (SPEC §11).
+"""Per-request sampling on transformers' continuous batching (docs/guide/serving.md).
 
 Each request carries its ``Sampling``: temperature, top-k and top-p are applied through
 transformers' per-request logits processors (``cb_logits_processors``: one set built with

@@ -1,4 +1,4 @@
-"""``kvmix serve``'s OpenAI-compatible app (SPEC §11): ``/v1/completions`` and
+"""``kvmix serve``'s OpenAI-compatible app (docs/guide/serving.md): ``/v1/completions`` and
 ``/v1/chat/completions`` (streamed or not), ``/v1/models``, ``/health`` and ``/metrics``, over a
 started continuous-batching manager (``KVMixManager``, or ``TransformersManager``, the anchor).
 

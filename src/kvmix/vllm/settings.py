@@ -5,29 +5,24 @@ Inside vLLM a block is one kvmix group: vLLM fills a block token by token and ma
 block to another request through its prefix cache, so a group is sealed into its block the step
 it fills, and every sealed block holds codes only. The float tail is the open group of each
 running sequence (its "staging"), and there is no float sink: a method runs with ``sink=0`` and
-``residual=group`` (what kvmix's own cache calls the layout; a method string that asks for
-another sink or residual is refused). Per-sequence choices (PN-Mix's pairs, Kitty's and
+``residual=group`` (the layout, one rule with the commands that start vLLM:
+``kvmix.runtime.inside_vllm``; a method string that asks for another sink or residual is
+refused). Per-sequence choices (PN-Mix's pairs, Kitty's and
 ChanMix's channels) are made from the sequence's first group, its first ``group`` tokens, so a
 shared prefix's blocks carry the same choice whichever request sealed them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kvmix.methods import Method, ModelSpec, parse_method
-from kvmix.models.loading import config_rope_pairs
-from kvmix.runtime.cache import model_spec
-from kvmix.runtime.folding import CONFIG_KEY
-from kvmix.runtime.plugin_settings import KEY, Refused, checked, staging_dtype
+from kvmix.methods import Method, ModelSpec
+from kvmix.runtime.inside_vllm import bound
+from kvmix.runtime.plugin_settings import KEY, Refused, checked
 from kvmix.vllm.pages import layout
-
-# Methods whose blocks the plugin serves: a fused decode path in kvmix, or a per-token format.
-SERVED = ("full", "kivi", "kxvy", "pnmix", "kitty", "chanmix", "wush", "ggml")
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,31 +89,19 @@ def resolve(vllm_config: Any) -> Settings | None:
 
 def _resolved(raw: dict[str, Any], vllm_config: Any) -> Settings:
     text = str(raw["method"])
-    try:
-        parsed = parse_method(text)
-    except ImportError as error:  # a backend's library missing from vLLM's environment
-        raise Refused(f"kvmix method {text!r}: {error}") from error
-    method = laid_out(parsed, text)
-    model_config = vllm_config.model_config
-    dtype = model_config.dtype
-    staging = staging_dtype(raw.get("staging"), method, dtype)
-    hf_config = model_config.hf_config
-    folded = getattr(hf_config, CONFIG_KEY, None) or {}
-    spec = model_spec(hf_config, config_rope_pairs(hf_config), None, folded.get("id"))
-    if "model" in folded:  # the name the transforms were calibrated for
-        spec = dataclasses.replace(spec, name=folded["model"])
-    spec = per_rank(spec, vllm_config, method, text)
-    try:
-        method.bind(spec)
-    except ValueError as error:
-        raise Refused(f"kvmix method {text!r} on this model: {error}") from error
-    layout(method, spec, 0, dtype)  # Refused where a page cannot be laid out inside vLLM
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    refuse_parallelism(vllm_config, text)
+    heads = (model.get_num_attention_heads(parallel), model.get_num_kv_heads(parallel))
+    resolved = bound(text, raw, model.hf_config, model.dtype, heads,
+                     parallel.tensor_parallel_size)
+    method, spec = resolved.method, resolved.spec
+    layout(method, spec, 0, model.dtype)  # Refused where a page cannot be laid out inside vLLM
     values = raw.get("values", "group")
     if values == "token" and not stored_by_token(method, spec):
         raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
                       "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
-    return Settings(method, staging, text, spec, dtype, raw.get("kernels", "auto"),
-                    raw.get("prefill", "decode"), values)
+    return Settings(method, resolved.staging, text, spec, model.dtype,
+                    raw.get("kernels", "auto"), raw.get("prefill", "decode"), values)
 
 
 def stored_by_token(method: Method, spec: ModelSpec) -> bool:
@@ -135,11 +118,10 @@ def token_value_probes(method: Method, spec: ModelSpec) -> list[Any]:
     return [method.token_values(probe, layer) for layer in range(spec.n_layers)]
 
 
-def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> ModelSpec:
-    """``spec`` with the heads of one tensor-parallel rank, as vLLM's attention layers hold
-    them (``get_num_kv_heads``: KV heads split, or replicated one a rank when fewer than the
-    ranks); ``Refused`` for the parallelism kvmix does not serve."""
-    parallel, model = vllm_config.parallel_config, vllm_config.model_config
+def refuse_parallelism(vllm_config: Any, text: str) -> None:
+    """``Refused`` for the parallelism kvmix does not serve (tensor parallelism is served:
+    each rank holds vLLM's share of the heads, ``get_num_kv_heads``)."""
+    parallel = vllm_config.parallel_config
     for flag, size, why in (
             ("--pipeline-parallel-size", parallel.pipeline_parallel_size,
              "untested: each stage would hold its own staging"),
@@ -152,32 +134,3 @@ def per_rank(spec: ModelSpec, vllm_config: Any, method: Method, text: str) -> Mo
         if size > 1:
             raise Refused(f"kvmix method {text!r} cannot run with {flag} {size} ({why}); "
                           "tensor parallelism is served")
-    heads, kv_heads = (model.get_num_attention_heads(parallel),
-                       model.get_num_kv_heads(parallel))
-    if parallel.tensor_parallel_size > 1 and method.name == "wush":
-        raise Refused(f"kvmix method {text!r} cannot run with --tensor-parallel-size "
-                      f"{parallel.tensor_parallel_size}: WUSH's transforms are per KV head of "
-                      "the whole model, not sliced per rank")
-    return dataclasses.replace(spec, n_heads=heads, n_kv_heads=kv_heads)
-
-
-def laid_out(method: Method, text: str) -> Method:
-    """``method`` with the layout vLLM's blocks allow (no sink, the open group as residual);
-    ``Refused`` for a method the plugin does not serve or a layout the string asks for."""
-    if method.name not in SERVED:
-        raise Refused(f"kvmix method {method.name!r} is not served inside vLLM; served: "
-                      f"{', '.join(SERVED)} (and their presets)")
-    asked = _overrides(text)
-    if asked.get("sink", 0) not in (0, "0"):
-        raise Refused(f"sink={asked['sink']} cannot be honoured inside vLLM: a block vLLM's "
-                      "prefix cache shares holds codes only, so there is no float sink (sink=0)")
-    if "residual" in asked and int(asked["residual"]) != method.group:
-        raise Refused(f"residual={asked['residual']} cannot be honoured inside vLLM: the float "
-                      f"tail is the open group (residual=group={method.group})")
-    return dataclasses.replace(method, sink=0, residual=method.group)
-
-
-def _overrides(text: str) -> dict[str, str]:
-    _, _, rest = text.partition(":")
-    pairs = (item.partition("=") for item in rest.split(",") if "=" in item)
-    return {key.strip(): value.strip() for key, _, value in pairs}

@@ -1,5 +1,5 @@
 """Aggregate decode throughput of many sequences at once (``kvmix bench --throughput``): the
-seeds' efficiency claim — more sequences fit a fixed memory, so more tokens per second.
+the papers' efficiency claim — more sequences fit a fixed memory, so more tokens per second.
 
 For every cache (transformers' ``DynamicCache`` and ``QuantizedCache``, kvmix methods):
 
@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 
+from kvmix.bench.resources import PeakMemory, heap_bytes, synchronize
+from kvmix.capacity import kv_bytes
 from kvmix.core.memory import reachable_bytes
-from kvmix.evaluation.planner import kv_bytes
-from kvmix.evaluation.resources import PeakMemory, heap_bytes
-from kvmix.methods import parse_method
 from kvmix.models.catalog import from_config
 from kvmix.runtime.attention import make_cache
 from kvmix.runtime.baselines import transformers_cache
@@ -125,7 +124,7 @@ def start(model, candidate: Cache, group: str, batch: int, prompts: torch.Tensor
     began = time.perf_counter()
     logits = runner(prompts.to(runner.device), cache=cache, use_cache=True,
                     logits_to_keep=1).logits
-    sync(runner.device)
+    synchronize(runner.device)
     prefill = time.perf_counter() - began
     token = logits[:, -1:].argmax(-1)  # [B, 1]
     for _ in range(warmup):
@@ -138,11 +137,11 @@ def timed(run: Any, steps: int) -> None:
     """``steps`` greedy decode steps of the whole batch, timed (nothing else runs: memory has
     its own round); ``run`` has the model, its cache, the next token and a list of seconds
     per step (``bench``'s prompt runs too)."""
-    sync(run.model.device)
+    synchronize(run.model.device)
     began = time.perf_counter()
     for _ in range(steps):
         run.token = step(run.model, run.cache, run.token)
-    sync(run.model.device)
+    synchronize(run.model.device)
     run.seconds.append((time.perf_counter() - began) / steps)
 
 
@@ -151,13 +150,13 @@ def measure_peak(run: Run, steps: int) -> None:
     """``steps`` untimed decode steps with the allocator sampled: the peak above what was in
     use before the cache was made."""
     device = run.model.device
-    sync(device)
+    synchronize(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with PeakMemory() as memory:
         for _ in range(steps):
             run.token = step(run.model, run.cache, run.token)
-        sync(device)
+        synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else memory.peak
     run.peak = max(run.peak, peak - run.base_bytes)
 
@@ -181,11 +180,6 @@ def rows(runs: list[Run], prompt: int) -> list[dict]:
     return out
 
 
-def check_methods(methods: list[str]) -> None:
-    for method in methods:
-        parse_method(method)
-
-
 def step(model, cache, token: torch.Tensor) -> torch.Tensor:
     """One greedy decode step of every sequence: token [B, 1] -> the next [B, 1]."""
     return model(token, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
@@ -194,8 +188,3 @@ def step(model, cache, token: torch.Tensor) -> torch.Tensor:
 def _allocated(device: torch.device) -> int:
     """Bytes in use on ``device``: the CUDA allocator's, or the process heap's."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else heap_bytes()
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -22,8 +22,8 @@ from conftest import ray_files, saved_model
 
 from kvmix.cli import main
 from kvmix.commands.compare import CompareConfig, run_compare
-from kvmix.evaluation import grid
-from kvmix.evaluation.grid import Failure, Grid, Worker
+from kvmix.jobs import grid
+from kvmix.jobs.grid import Failure, Grid, Worker
 from kvmix.models.loading import load_tokenizer
 
 pytestmark = pytest.mark.xdist_group("ray")  # under xdist: one local Ray at a time

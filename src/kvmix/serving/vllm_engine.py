@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kvmix.evaluation.planner import parse_memory
-from kvmix.evaluation.vllm_server import (
+from kvmix.capacity import parse_memory
+from kvmix.engines.vllm.server import (
     DEFAULT_PYTHON,
     OWN,
     Found,

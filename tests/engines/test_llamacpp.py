@@ -12,10 +12,13 @@ import sys
 import pytest
 from transformers import LlamaConfig
 
+from kvmix.bench.load import run_level
 from kvmix.commands.bench import BenchConfig, run_bench
 from kvmix.commands.loadtest import LoadtestConfig, run_loadtest
-from kvmix.evaluation import llamacpp
-from kvmix.evaluation.loadtest import run_level
+from kvmix.engines.llamacpp.build import EngineMissing, bindings, server_binary
+from kvmix.engines.llamacpp.decoder import Decoder
+from kvmix.engines.llamacpp.server import LlamaServer, reported_cache_bytes
+from kvmix.engines.llamacpp.slots import cache_bytes_per_token, parse_types, plan_slots
 
 # 2 layers x 2 KV heads x 64: f16 keeps 2 bytes per element, q4_0 18 bytes per 32 elements.
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -24,8 +27,8 @@ CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_h
 
 def built() -> bool:
     try:
-        llamacpp.server_binary()
-    except llamacpp.EngineMissing:
+        server_binary()
+    except EngineMissing:
         return False
     return True
 
@@ -51,34 +54,34 @@ needs_server = pytest.mark.skipif(not built(), reason="llama-server is not built
                                                   ("q4_0", "q4_0", 2 * 2 * 4 * 18),
                                                   ("q8_0", "q4_0", 2 * (4 * 34 + 4 * 18))])
 def test_cache_bytes_per_token_follow_ggml_row_sizes(k, v, expected):
-    assert llamacpp.cache_bytes_per_token(CONFIG, k, v) == expected
+    assert cache_bytes_per_token(CONFIG, k, v) == expected
 
 
 def test_slots_are_the_most_whose_padded_cache_fits():
-    per_token = llamacpp.cache_bytes_per_token(CONFIG, "f16", "f16")  # 1024
-    plan = llamacpp.plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=8)
+    per_token = cache_bytes_per_token(CONFIG, "f16", "f16")  # 1024
+    plan = plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=8)
     # a request of 300 tokens takes a slot of 512 cells: two fit in 1100 cells, three do not
     assert (plan.slots, plan.per_slot, plan.cells, plan.bytes) == (2, 512, 1024,
                                                                     1024 * per_token)
-    assert llamacpp.plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=1).slots == 1
-    fractional = llamacpp.plan_slots(CONFIG, "f16", "f16", 1100.0 * per_token, 300, most=8)
+    assert plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=1).slots == 1
+    fractional = plan_slots(CONFIG, "f16", "f16", 1100.0 * per_token, 300, most=8)
     assert type(fractional.slots) is int and type(fractional.cells) is int  # flags take ints
     with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
-        llamacpp.plan_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
+        plan_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
 
 
 def test_cache_types_parse_or_are_refused_by_name():
-    assert llamacpp.parse_types("llama.cpp:q4_0") == ("q4_0", "q4_0")
-    assert llamacpp.parse_types("llama.cpp:q8_0/f16") == ("q8_0", "f16")
+    assert parse_types("llama.cpp:q4_0") == ("q4_0", "q4_0")
+    assert parse_types("llama.cpp:q8_0/f16") == ("q8_0", "f16")
     with pytest.raises(ValueError, match=r"llama\.cpp:q3_k.*q4_0"):
-        llamacpp.parse_types("llama.cpp:q3_k")
+        parse_types("llama.cpp:q3_k")
 
 
 def test_reported_cache_bytes_read_from_the_load_log():
     log = ("llama_kv_cache: size =    6.00 MiB (   256 cells,  30 layers,  2/1 seqs), K (q4_0):"
            "    3.00 MiB, V (q4_0):    3.00 MiB\n")
-    assert llamacpp.reported_cache_bytes(log) == 6 * 2**20
-    assert llamacpp.reported_cache_bytes("no cache here") is None
+    assert reported_cache_bytes(log) == 6 * 2**20
+    assert reported_cache_bytes("no cache here") is None
 
 
 def test_loadtest_refuses_before_anything_starts(tmp_path, loaded_once):
@@ -101,8 +104,8 @@ def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch, loaded_on
     """No build: the row carries the command to run, and nothing is left behind."""
     monkeypatch.setenv("KVMIX_CACHE", str(tmp_path / "cache"))
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(llamacpp.EngineMissing, match="make engine"):
-        llamacpp.server_binary()
+    with pytest.raises(EngineMissing, match="make engine"):
+        server_binary()
     rows = run_loadtest(LoadtestConfig(methods=[], baselines=["llama.cpp:q4_0"], memory="20MB",
                                        requests=[2], concurrency=[2], prompt_tokens=16,
                                        new_tokens=[4]))
@@ -112,12 +115,12 @@ def test_a_missing_build_is_reported_in_its_row(tmp_path, monkeypatch, loaded_on
 
 def test_missing_bindings_name_the_install_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails
-    llamacpp.bindings.cache_clear()
+    bindings.cache_clear()
     try:
-        with pytest.raises(llamacpp.EngineMissing, match="pip install 'llama-cpp-python=="):
-            llamacpp.bindings()
+        with pytest.raises(EngineMissing, match="pip install 'llama-cpp-python=="):
+            bindings()
     finally:
-        llamacpp.bindings.cache_clear()
+        bindings.cache_clear()
 
 
 @needs_server
@@ -125,10 +128,10 @@ def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
     from kvmix.models.loading import gguf_path, load_config, smollm2_location
 
     config, _ = load_config()
-    per_token = llamacpp.cache_bytes_per_token(config, "q4_0", "q4_0")
-    plan = llamacpp.plan_slots(config, "q4_0", "q4_0", 600 * per_token, 64, most=4)
+    per_token = cache_bytes_per_token(config, "q4_0", "q4_0")
+    plan = plan_slots(config, "q4_0", "q4_0", 600 * per_token, 64, most=4)
     assert (plan.slots, plan.cells) == (2, 512)
-    server = llamacpp.LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "server.log")
+    server = LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "server.log")
     with server as url:
         outcomes, _, peaks = asyncio.run(run_level(url, ["The river", "A small house"] * 2,
                                                    [24], concurrency=2, timeout=60))
@@ -152,14 +155,14 @@ def test_the_bindings_decode_as_the_server_does(tmp_path, tokenizer):
 
     config, _ = load_config()
     ids = tokenizer("The river ran past the old mill and", return_tensors="pt").input_ids
-    decoder = llamacpp.Decoder(gguf_path("smollm2"), config, "f16", "f16", 64, 2)
+    decoder = Decoder(gguf_path("smollm2"), config, "f16", "f16", 64, 2)
     token, tokens = decoder(ids).logits[:, -1:].argmax(-1), []
     for _ in range(4):
         tokens.append(int(token))
         token = decoder(token).logits[:, -1:].argmax(-1)
-    assert decoder.nbytes() == 256 * llamacpp.cache_bytes_per_token(config, "f16", "f16")
-    plan = llamacpp.plan_slots(config, "f16", "f16", decoder.nbytes(), 64, most=1)
-    with llamacpp.LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "log") as url:
+    assert decoder.nbytes() == 256 * cache_bytes_per_token(config, "f16", "f16")
+    plan = plan_slots(config, "f16", "f16", decoder.nbytes(), 64, most=1)
+    with LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "log") as url:
         answer = httpx.post(f"{url}/completion", json={"prompt": ids[0].tolist(),
                                                        "n_predict": 4, "temperature": 0,
                                                        "return_tokens": True}, timeout=60)

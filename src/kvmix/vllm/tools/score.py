@@ -1,4 +1,4 @@
-"""Perplexity through vLLM: ``python -m kvmix.vllm.score REQUEST.json OUT.json`` in the vLLM
+"""Perplexity through vLLM: ``python -m kvmix.vllm.tools.score REQUEST.json OUT.json`` in the vLLM
 environment, for ``kvmix compare --engine vllm``.
 
 The request names a model folder, the token ids [n], the context, the methods (``full``:

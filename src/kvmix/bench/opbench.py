@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvmix.bench.resources import memory_bandwidth, synchronize
 from kvmix.core.quantizers import fused_encoding
-from kvmix.evaluation.resources import memory_bandwidth
 from kvmix.models.loading import attention_config
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.layer import take_pending
@@ -174,12 +174,12 @@ def _timed(fn: Callable[[], None], steps: int, device: torch.device) -> tuple[fl
     """Seconds per call: (host, total). Host: the calls returned, before the device finished
     (the host work of a step where the device keeps up; on CPU the two are one)."""
     fn()  # warm: compiles and caches kernels
-    _sync(device)
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         fn()
     host = time.perf_counter() - start
-    _sync(device)
+    synchronize(device)
     return host / steps, (time.perf_counter() - start) / steps
 
 
@@ -198,7 +198,3 @@ def _rows(candidates: list[Candidate], context: int, batch: int,
              "vs_sdpa": us["sdpa"] / us[c.method], "vs_float_kernel": us["full"] / us[c.method],
              "nbytes": c.nbytes, "encode_us": c.encode_us} for c in candidates]
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

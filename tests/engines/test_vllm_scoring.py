@@ -10,11 +10,12 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from kvmix.evaluation import through_vllm
+from kvmix.engines.vllm import scoring as vllm_scoring
+from kvmix.engines.vllm.server import DEFAULT_PYTHON
 from kvmix.evaluation.scoring import score
 from kvmix.models.loading import LoadedModel
 
-PYTHON = Path(__file__).resolve().parents[2] / through_vllm.DEFAULT_PYTHON
+PYTHON = Path(__file__).resolve().parents[2] / DEFAULT_PYTHON
 CONTEXT, TOKENS = 96, 48
 
 
@@ -26,9 +27,9 @@ def test_vllm_scores_the_tokens_kvmix_scores(tmp_path, monkeypatch):
     loaded = LoadedModel(model, None, "tiny", "tiny", torch.float32)
     ids = torch.randint(1, 97, (1, CONTEXT + TOKENS + 1),
                         generator=torch.Generator().manual_seed(3))
-    kivi = through_vllm.vllm_layout("kivi2")
+    kivi = vllm_scoring.vllm_layout("kivi2")
     assert kivi == "kivi2:sink=0,residual=32"
-    engine = through_vllm.score(str(PYTHON), loaded, ids, CONTEXT, ["full", kivi])
+    engine = vllm_scoring.score(str(PYTHON), loaded, ids, CONTEXT, ["full", kivi])
     own = score(model, ids, "full", CONTEXT)
     assert len(engine["full"]["nll"]) == TOKENS
     assert engine["full"]["ppl"] == pytest.approx(own.ppl, rel=1e-4)

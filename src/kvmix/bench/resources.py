@@ -14,6 +14,7 @@ import functools
 import os
 import threading
 import time
+from typing import Any
 
 
 class _MallInfo2(ctypes.Structure):
@@ -82,15 +83,16 @@ def memory_bandwidth(megabytes: int = 256, repeats: int = 5, device: str = "cpu"
     target = torch.empty_like(source)
     best = float("inf")
     for _ in range(repeats):
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         target.copy_(source)
-        _synchronize(device)
+        synchronize(device)
         best = min(best, time.perf_counter() - start)
     return 2 * source.nbytes / best
 
 
-def _synchronize(device: str) -> None:
+def synchronize(device: str | Any) -> None:
+    """Wait for ``device``'s queued work (a CUDA device; nothing on CPU): a timer's edges."""
     import torch
 
     if torch.device(device).type == "cuda":

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvmix.evaluation.engines import nearest
+from kvmix.engines.nearest import nearest
 from kvmix.methods import Method
 from kvmix.models.loading import LoadedModel, fingerprint
 from kvmix.runtime.attention import make_cache

@@ -13,8 +13,7 @@ from conftest import tiny_llama
 from helpers import method_string
 
 import kvmix
-from kvmix.cli import main
-from kvmix.evaluation.planner import (
+from kvmix.capacity import (
     bound,
     device,
     kv_bytes,
@@ -24,6 +23,7 @@ from kvmix.evaluation.planner import (
     planned,
     roofline,
 )
+from kvmix.cli import main
 from kvmix.methods import method_names
 from kvmix.models.catalog import architecture, bundled, from_config
 

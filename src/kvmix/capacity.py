@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -168,10 +167,3 @@ def roofline(plan: Planned, arch: Architecture, batch: int, context: int,
     work = 2 * arch.parameters * batch + 2 * batch * cached * arch.heads // arch.kv_heads
     seconds = max((plan.weights + plan.kv_bytes) / bandwidth, work / flops)
     return batch / seconds
-
-
-def check_sizes(**sizes: Any) -> None:
-    for name, value in sizes.items():
-        least = 0 if name == "prompt" else 1
-        if not isinstance(value, int) or value < least:
-            raise ValueError(f"{name}={value!r} is invalid; expected an integer >= {least}")

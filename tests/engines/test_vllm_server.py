@@ -9,7 +9,7 @@ from conftest import saved_model
 
 from kvmix.cli import main
 from kvmix.commands.loadtest import LoadtestConfig, run_loadtest
-from kvmix.evaluation import vllm_server
+from kvmix.engines.vllm import server as vllm_server
 from kvmix.models.loading import load_tokenizer
 
 

