@@ -72,3 +72,42 @@ def test_only_the_plugin_imports_vllm_and_nothing_imports_the_plugin(path):
     if not relative.startswith(VLLM_ALLOWED):
         assert not any(n.split(".")[0] == "vllm" for n in names), relative
         assert not any(n.startswith(f"kvmix.{PLUGIN}") for n in names), relative
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every kvmix module and the kvmix modules it imports (lazy imports included; a name
+    imported from a package counts as its submodule where one has that name). A module's own
+    packages are left out: Python imports them before it."""
+    names = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(
+        ".__init__"): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in names.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                targets |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in names
+                            else node.module for a in node.names}
+        graph[name] = {t for t in targets if t in names and not name.startswith(f"{t}.")
+                       and t != name}
+    return graph
+
+
+def test_no_two_modules_import_each_other_through_any_path():
+    graph, seen, path = module_graph(), set(), []
+
+    def visit(name):
+        if name in path:
+            pytest.fail("import circle: " + " -> ".join([*path[path.index(name):], name]))
+        if name in seen:
+            return
+        path.append(name)
+        for target in sorted(graph[name]):
+            visit(target)
+        path.pop()
+        seen.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+    assert "kvmix.core.fused" in graph["kvmix.core.packing"]  # the graph sees lazy imports

@@ -3,7 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvmix.core.packing import WIDTHS, check_bits, pack, packed_bytes, row_bytes, unpack
+from kvmix.core.bits import WIDTHS, check_bits, packed_bytes, row_bytes
+from kvmix.core.packing import pack, unpack
 
 shapes = st.lists(st.integers(1, 9), min_size=1, max_size=4)
 

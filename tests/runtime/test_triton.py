@@ -66,7 +66,8 @@ def test_production_shapes_match_the_reference(method):
 def test_word_loads_give_the_packed_codes(bits, row):
     """Rows that are whole 32-bit words decode by word loads to the codes ``pack`` wrote;
     others are refused the word path (they load byte by byte)."""
-    from kvmix.core.packing import pack, row_bytes
+    from kvmix.core.bits import row_bytes
+    from kvmix.core.packing import pack
 
     count = 16
     codes = torch.randint(0, 2**bits, (count, row), generator=torch.Generator().manual_seed(bits))

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvmix.core.packing import row_bytes
+from kvmix.core.bits import row_bytes
 
 try:
     import triton

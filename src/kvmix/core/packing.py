@@ -13,32 +13,15 @@ every layout kvmix stores); otherwise each plane of a row is padded to a byte.
 
 from __future__ import annotations
 
-import math
 from contextvars import ContextVar
 
 import torch
 
-WIDTHS = (1, 2, 3, 4, 8)
+from kvmix.core import fused
+from kvmix.core.bits import check_bits, row_bytes
+
 # The fused encoder in use ("triton", "cpu" or None: torch), set by quantizers.fused_encoding.
 ENCODER: ContextVar[str | None] = ContextVar("kvmix_fused_encoding", default=None)
-
-
-def check_bits(bits: int, name: str = "bits", allowed: tuple[int, ...] = WIDTHS) -> int:
-    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in allowed:
-        raise ValueError(f"{name}={bits!r} is not supported; valid values: {list(allowed)}")
-    return bits
-
-
-def row_bytes(row: int, bits: int) -> int:
-    """Bytes one row of ``row`` codes occupies once packed."""
-    if bits == 3:
-        return row_bytes(row, 2) + row_bytes(row, 1)
-    return math.ceil(row * bits / 8)
-
-
-def packed_bytes(numel: int, bits: int, row: int) -> int:
-    """Bytes ``numel`` codes in rows of ``row`` occupy once packed."""
-    return numel // row * row_bytes(row, bits)
 
 
 def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -46,11 +29,8 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     check_bits(bits)
     row = codes.shape[-1] if codes.dim() > 1 else 1  # a 1-D tensor: one code per batch row
     rows = codes.reshape(-1, row).to(torch.uint8)  # [M, row]
-    if ENCODER.get() == "cpu":
-        from kvmix.core import fused  # it imports this module
-
-        if fused.packs(rows):
-            return fused.pack_rows(rows, bits).reshape(codes.shape[0], -1)
+    if ENCODER.get() == "cpu" and fused.packs(rows):
+        return fused.pack_rows(rows, bits).reshape(codes.shape[0], -1)
     if bits == 3:
         packed = torch.cat([_pack_plane(rows & 3, 2), _pack_plane(rows >> 2, 1)], dim=1)
     else:

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from kvmix.core import fused
-from kvmix.core.packing import ENCODER, check_bits, pack, unpack
+from kvmix.core.bits import check_bits
+from kvmix.core.packing import ENCODER, pack, unpack
 
 STAT_DTYPE = torch.float16
 

@@ -18,16 +18,7 @@ from kvmix.methods.base import (
     Plane,
     TokenGroups,
 )
-
-_METHODS: dict[str, type[Method]] = {}
-_PRESETS: dict[str, tuple[type[Method], dict[str, Any]]] = {}
-
-
-def register(cls: type[Method]) -> type[Method]:
-    _METHODS[cls.name] = cls
-    for preset, params in cls.presets.items():
-        _PRESETS[preset] = (cls, params)
-    return cls
+from kvmix.methods.registry import _METHODS, _PRESETS, register
 
 
 def method_names() -> list[str]:

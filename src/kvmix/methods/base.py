@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.packing import check_bits
+from kvmix.core.bits import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize_per_token, quantize_per_token
 
 STAT_BITS = 32  # a float16 scale plus a float16 minimum per group

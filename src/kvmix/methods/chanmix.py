@@ -30,7 +30,6 @@ import torch
 from kvmix.core.importance import group_mean, key_scores, mask_index, top_mask
 from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
-from kvmix.methods import register
 from kvmix.methods.base import (
     MIXED_KEYS,
     PER_CHANNEL_KEYS,
@@ -43,6 +42,7 @@ from kvmix.methods.base import (
     Plane,
     select_by_sums,
 )
+from kvmix.methods.registry import register
 
 CLASS_BITS = (4, 3, 2, 1)  # retrieval, outlier, normal, subnormal: class id = position here
 

@@ -16,8 +16,8 @@ from typing import ClassVar
 
 import torch
 
-from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice
+from kvmix.methods.registry import register
 
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALES = ("tensor", "head", "one")

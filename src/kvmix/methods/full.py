@@ -7,8 +7,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.methods import register
 from kvmix.methods.base import Blocks, KernelView, Method
+from kvmix.methods.registry import register
 
 
 @register

@@ -51,8 +51,8 @@ import torch
 
 from kvmix.core.packing import pack, unpack
 from kvmix.core.transforms import walsh_hadamard
-from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice, require_pairs
+from kvmix.methods.registry import register
 
 BLOCK = 32
 # type: (code bits, has a minimum); f16 is the float16 value itself

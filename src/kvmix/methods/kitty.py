@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvmix.methods import register
 from kvmix.methods.pnmix import PNMix
+from kvmix.methods.registry import register
 
 
 @register

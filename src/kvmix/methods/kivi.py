@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvmix.methods import register
 from kvmix.methods.kxvy import Bits, KxVy
+from kvmix.methods.registry import register
 
 
 @register

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvmix.core.allocation import allocate
-from kvmix.core.packing import WIDTHS, check_bits
+from kvmix.core.bits import WIDTHS, check_bits
 from kvmix.core.quantizers import (
     QuantizedTensor,
     dequantize,
@@ -34,7 +34,6 @@ from kvmix.core.quantizers import (
     quantize_per_token,
 )
 from kvmix.core.transforms import hadamard, walsh_hadamard
-from kvmix.methods import register
 from kvmix.methods.backends import (
     check_backend,
     dequantize_rows,
@@ -56,6 +55,7 @@ from kvmix.methods.base import (
     positive,
     token_groups,
 )
+from kvmix.methods.registry import register
 
 Bits = int | tuple[int, ...]
 ROTATIONS = ("none", "keys", "values", "both")

@@ -31,8 +31,8 @@ import torch
 
 from kvmix.core.packing import pack, unpack
 from kvmix.core.transforms import walsh_hadamard
-from kvmix.methods import register
 from kvmix.methods.base import Blocks, Method, ModelSpec, choice
+from kvmix.methods.registry import register
 
 FORMATS = ("int8_per_token_head", "fp8_per_token_head", "int4_per_token_head", "mxfp8")
 E4M3_MAX = 448.0

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvmix.core.bits import check_bits
 from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
@@ -40,9 +41,8 @@ from kvmix.core.importance import (
     query_pair_sums,
     top_mask,
 )
-from kvmix.core.packing import check_bits, pack, unpack
+from kvmix.core.packing import pack, unpack
 from kvmix.core.quantizers import quantize_codes, reconstruct
-from kvmix.methods import register
 from kvmix.methods.base import (
     MIXED_KEYS,
     PER_CHANNEL_KEYS,
@@ -58,6 +58,7 @@ from kvmix.methods.base import (
     require_pairs,
     select_by_sums,
 )
+from kvmix.methods.registry import register
 
 SELECTIONS = ("prefill", "online")
 INDEX_BITS = 8  # one uint8 channel index per high channel (online selection)

@@ -17,9 +17,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.packing import check_bits
+from kvmix.core.bits import check_bits
 from kvmix.core.quantizers import QuantizedTensor, dequantize, quantize
-from kvmix.methods import register
 from kvmix.methods.base import (
     STAT_BITS,
     Blocks,
@@ -27,6 +26,7 @@ from kvmix.methods.base import (
     PerTokenValues,
     require_pairs,
 )
+from kvmix.methods.registry import register
 
 
 @dataclass

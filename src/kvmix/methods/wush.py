@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvmix.core.packing import check_bits
+from kvmix.core.bits import check_bits
 from kvmix.core.quantizers import (
     dequantize,
     percentile_quantize,
@@ -29,7 +29,6 @@ from kvmix.core.quantizers import (
     quest_quantize,
 )
 from kvmix.core.transforms import KINDS, TransformSet, load_transforms
-from kvmix.methods import register
 from kvmix.methods.base import (
     KEY_TRANSFORM,
     VALUE_FOLD,
@@ -40,6 +39,7 @@ from kvmix.methods.base import (
     choice,
     token_groups,
 )
+from kvmix.methods.registry import register
 
 QUANTIZERS = ("quest", "percentile")
 

@@ -37,7 +37,7 @@ import functools
 
 import torch
 
-from kvmix.core.packing import row_bytes
+from kvmix.core.bits import row_bytes
 from kvmix.methods import ChannelKeys, KernelView, TokenGroups
 from kvmix.runtime.kernels import batch
 from kvmix.runtime.steps import Table, Workspace
