@@ -111,3 +111,11 @@ def test_no_two_modules_import_each_other_through_any_path():
     for name in sorted(graph):
         visit(name)
     assert "kvmix.core.fused" in graph["kvmix.core.packing"]  # the graph sees lazy imports
+
+
+def test_no_function_runs_over_60_lines():
+    long = [f"{p.relative_to(PACKAGE)}:{node.lineno} {node.name}" for p in MODULES
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno >= 60]
+    assert not long

@@ -57,7 +57,13 @@ def add_parser(commands) -> None:
     parser.add_argument("--drain-timeout", type=float, default=defaults.drain_timeout,
                         help="on SIGTERM/SIGINT: 503 to new requests, running ones finish "
                              "for up to this many seconds, then exit 0")
-    ray = parser.add_argument_group("Ray Serve (the ray extra)")
+    _ray_options(parser.add_argument_group("Ray Serve (the ray extra)"))
+    _vllm_options(parser.add_argument_group("vLLM (the vllm or vllm-cuda extra)"))
+    parser.set_defaults(run=lambda args: run_serve(
+        ServeConfig(**{k: getattr(args, k) for k in vars(defaults)}), args))
+
+
+def _ray_options(ray) -> None:
     ray.add_argument("--ray", action="store_true",
                      help="replicas of this server on Ray Serve, routed by free pages")
     ray.add_argument("--address", default=None,
@@ -73,7 +79,10 @@ def add_parser(commands) -> None:
                      help="CPUs each replica takes (on CUDA a replica takes one GPU)")
     ray.add_argument("--ray-config", default=None, metavar="FILE",
                      help="write the YAML `serve deploy FILE` takes, then exit")
-    vllm, engine = parser.add_argument_group("vLLM (the vllm or vllm-cuda extra)"), VllmEngine()
+
+
+def _vllm_options(vllm) -> None:
+    engine = VllmEngine()
     vllm.add_argument("--engine", choices=("kvmix", "vllm"), default="kvmix",
                       help="vllm: vLLM's OpenAI server with kvmix's plugin, in the same "
                            "--memory (its staging counted); --method auto or fp8: vLLM's own "
@@ -85,8 +94,6 @@ def add_parser(commands) -> None:
                            "for this many is taken from --memory)")
     vllm.add_argument("--max-model-len", type=int, default=engine.max_model_len,
                       help="vLLM's: the most tokens of a request (default: the model's)")
-    parser.set_defaults(run=lambda args: run_serve(
-        ServeConfig(**{k: getattr(args, k) for k in vars(defaults)}), args))
 
 
 def run_serve(config: ServeConfig, args: Any = None) -> None:

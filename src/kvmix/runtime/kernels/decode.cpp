@@ -431,19 +431,20 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
   return laid;
 }
 
-// A decode step of a whole batch: query [S, Hq, D] (one new token per sequence, already in its
-// float slot or, with step keys and values, in them) over float slots [S, H, T, D], or one
-// arena [1, H, T, D] all sequences share (spans [S, 4]: sink start and length, residual start
-// and length, in the sequence's row; with step keys and values [1, H, N, D], the second span
-// lies in them: the vLLM plugin's new tokens, given as they are or as new keys and values
-// [N, H, D] the op lays out, which `stage_at` then writes into the arena),
-// and pages of one pool read through the block table (pages, held [S, M], counts [S]): float
-// pages [P, H, G, D] (the `full` method), or packed ones with per-sequence plane indices,
-// multipliers and key offsets [S or 1, H, ...]. With `value_pages` [S] (packed pools only) the
-// values of a sequence's two spans are not floats but the first tokens of its page there,
-// packed per token (the vLLM plugin's values="token"; the slots then hold keys only: the slot
-// values are not read, and staging writes keys only; kvmix::put_values puts the step's values
-// there first).
+// A decode step of a whole batch of rows: query [S, Hq, D], one query token a row (in kvmix's own
+// runtime a sequence's new token; in the vLLM plugin a kernel row: a decode token, or a prompt
+// token attending as a decode at its position). A row attends to two float spans and then its
+// pages. The spans (spans [S, 4]: start and length of each, in the row's slot) lie in float
+// slots [S, H, T, D] or one arena [1, H, T, D] all rows share: kvmix's own cache's sink and
+// residual, or the plugin's staged open group and the step's new tokens — with step keys and
+// values [1, H, N, D] the second span lies in them (given as they are, or as new keys and values
+// [N, H, D] the op lays out, which `stage_at` then writes into the arena). Pages of one pool are
+// read through the block table (pages, held [S, M], counts [S]): float pages [P, H, G, D] (the
+// `full` method), or packed ones with per-row plane indices, multipliers and key offsets [S or 1,
+// H, ...]. With `value_pages` [S] (packed pools only) the values of a row's two spans are not
+// floats but the first tokens of its page there, packed per token (the plugin's values="token";
+// the slots then hold keys only: the slot values are not read, and staging writes keys only;
+// kvmix::put_values puts the step's values there first).
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
