@@ -84,7 +84,7 @@ def main() -> None:
             with mode:
                 cache.update(keys, values, 0)
                 layer = take_pending()
-                layer._write_and_attend(queries, *layer.staged, 0.2)
+                layer._write_and_attend(queries, *layer.pending, 0.2)
             launched = sum(k.count for k in kernels) - before
             print(f"{backend:6} {method:8} torch ops {len(mode.names):3}  Triton launches "
                   f"{launched}  ({', '.join(sorted(set(mode.names)))})")

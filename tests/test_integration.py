@@ -426,11 +426,11 @@ def test_longgen_on_humaneval_prompts(real_model, tmp_path):
 
 
 def test_export_plan_and_recommend_on_the_real_model(real_model, tmp_path):
-    from kvmix.commands.export import ExportPlanConfig, run_plan
+    from kvmix.commands.export import ExportPlanConfig, run_export_plan
     from kvmix.commands.recommend import RecommendConfig, run_recommend
     from kvmix.engines.kv_plan import load_plan
 
-    plan = run_plan(ExportPlanConfig(method="kxvy:key_bits=4,value_bits=2",
+    plan = run_export_plan(ExportPlanConfig(method="kxvy:key_bits=4,value_bits=2",
                                      out=str(tmp_path / "plan"), context=160, eval_tokens=24),
                     loaded=real_model)
     assert len(plan["layers"]) == 30 and plan["layers"][0]["key_bits"] == 5.0

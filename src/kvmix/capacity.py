@@ -22,7 +22,7 @@ import torch
 
 from kvmix.methods import Method, parse_method
 from kvmix.models.catalog import FULL, Architecture
-from kvmix.runtime.accounting import layout, segment_bytes, slot_bytes
+from kvmix.runtime.accounting import segment_bytes, segments, slot_bytes
 
 GIB = 2**30
 MIB = 2**20
@@ -114,7 +114,7 @@ def kv_bytes(method: Method, arch: Architecture, batch: int, context: int,
     parts = {"sink": 0.0, "blocks": 0.0, "residual": 0.0, "selection": 0.0, "free": 0.0}
     per_token = slot_bytes(method, spec, dtype)
     for index, kind in enumerate(arch.layer_types):
-        held = layout(method, context, None if kind == FULL else arch.sliding_window)
+        held = segments(method, context, None if kind == FULL else arch.sliding_window)
         for part, size in segment_bytes(method, spec, index, held, dtype).items():
             parts[part] += batch * size
         parts["free"] += batch * (method.sink + method.residual - held.sink - held.residual) \

@@ -18,7 +18,7 @@ from kvmix.commands.loadtest import LoadtestConfig, run_loadtest
 from kvmix.engines.llamacpp.build import EngineMissing, bindings, server_binary
 from kvmix.engines.llamacpp.decoder import Decoder
 from kvmix.engines.llamacpp.server import LlamaServer, reported_cache_bytes
-from kvmix.engines.llamacpp.slots import cache_bytes_per_token, parse_types, plan_slots
+from kvmix.engines.llamacpp.slots import cache_bytes_per_token, fit_slots, parse_types
 
 # 2 layers x 2 KV heads x 64: f16 keeps 2 bytes per element, q4_0 18 bytes per 32 elements.
 CONFIG = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -59,15 +59,15 @@ def test_cache_bytes_per_token_follow_ggml_row_sizes(k, v, expected):
 
 def test_slots_are_the_most_whose_padded_cache_fits():
     per_token = cache_bytes_per_token(CONFIG, "f16", "f16")  # 1024
-    plan = plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=8)
+    plan = fit_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=8)
     # a request of 300 tokens takes a slot of 512 cells: two fit in 1100 cells, three do not
     assert (plan.slots, plan.per_slot, plan.cells, plan.bytes) == (2, 512, 1024,
                                                                     1024 * per_token)
-    assert plan_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=1).slots == 1
-    fractional = plan_slots(CONFIG, "f16", "f16", 1100.0 * per_token, 300, most=8)
+    assert fit_slots(CONFIG, "f16", "f16", 1100 * per_token, 300, most=1).slots == 1
+    fractional = fit_slots(CONFIG, "f16", "f16", 1100.0 * per_token, 300, most=8)
     assert type(fractional.slots) is int and type(fractional.cells) is int  # flags take ints
     with pytest.raises(ValueError, match=r"fits no llama\.cpp slot"):
-        plan_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
+        fit_slots(CONFIG, "f16", "f16", 255 * per_token, 10, most=8)
 
 
 def test_cache_types_parse_or_are_refused_by_name():
@@ -129,7 +129,7 @@ def test_llama_server_serves_two_slots_within_its_planned_cache(tmp_path):
 
     config, _ = load_config()
     per_token = cache_bytes_per_token(config, "q4_0", "q4_0")
-    plan = plan_slots(config, "q4_0", "q4_0", 600 * per_token, 64, most=4)
+    plan = fit_slots(config, "q4_0", "q4_0", 600 * per_token, 64, most=4)
     assert (plan.slots, plan.cells) == (2, 512)
     server = LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "server.log")
     with server as url:
@@ -161,7 +161,7 @@ def test_the_bindings_decode_as_the_server_does(tmp_path, tokenizer):
         tokens.append(int(token))
         token = decoder(token).logits[:, -1:].argmax(-1)
     assert decoder.nbytes() == 256 * cache_bytes_per_token(config, "f16", "f16")
-    plan = plan_slots(config, "f16", "f16", decoder.nbytes(), 64, most=1)
+    plan = fit_slots(config, "f16", "f16", decoder.nbytes(), 64, most=1)
     with LlamaServer(gguf_path("smollm2"), plan, 2, tmp_path / "log") as url:
         answer = httpx.post(f"{url}/completion", json={"prompt": ids[0].tolist(),
                                                        "n_predict": 4, "temperature": 0,

@@ -17,7 +17,7 @@ from helpers import method_string, prefill, step, tokens
 import kvmix
 from kvmix.runtime.kernels import cpu, gpu
 from kvmix.runtime.layer import KVMixLayer
-from kvmix.runtime.steps import Staged, bucket, meta
+from kvmix.runtime.steps import Upload, bucket, meta
 
 BACKENDS = ["cpu"] + (["triton"] if gpu.available()[0] else [])  # the fused paths
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
@@ -235,7 +235,7 @@ def test_layers_out_of_lockstep_get_their_own_metadata():
 
 
 def test_staged_buffers_keep_their_address_until_they_grow():
-    staged = Staged()
+    staged = Upload()
     first = staged.fill([1, 2, 3], torch.device("cpu"))
     again = staged.fill([4, 5], torch.device("cpu"))
     assert again.tolist() == [4, 5] and again.data_ptr() == first.data_ptr()

@@ -184,7 +184,7 @@ def test_float16_stays_within_1e3():
     layer = take_pending()
     row = layer.rows[0]
     view = cache.method.kernel_view(row.blocks, 0, row.selection)
-    staged_keys, staged_values = layer.staged
+    staged_keys, staged_values = layer.pending
     fast = gpu.attend(row, view, queries, staged_keys, staged_values, 32**-0.5)
     exact = reference.attend(row, queries, staged_keys, staged_values, 32**-0.5)
     assert fast.dtype == torch.float16

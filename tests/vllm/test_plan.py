@@ -22,7 +22,7 @@ from kvmix.runtime.inside_vllm import laid_out
 from kvmix.runtime.kernels import gpu
 from kvmix.vllm import plan
 from kvmix.vllm.layer import LayerCache, readers, staging_nbytes, token_values_unserved
-from kvmix.vllm.pages import layout
+from kvmix.vllm.pages import page_layout
 from kvmix.vllm.plan import Planner, Readers, StagingLost
 from kvmix.vllm.settings import Refused, Settings
 
@@ -71,7 +71,7 @@ class Run:
             self.table[s, :n] = order[taken : taken + n]
             taken += n
         self.cache = LayerCache(settings, LAYER, torch.float32, SEQUENCES, BLOCK, self.device)
-        page = max(layout(self.method, settings.spec, layer, torch.float32).page_bytes
+        page = max(page_layout(self.method, settings.spec, layer, torch.float32).page_bytes
                    for layer in range(settings.spec.n_layers))
         self.cache.bind(torch.zeros(BLOCKS, BLOCK // self.method.group * page,
                                     dtype=torch.uint8, device=self.device))
@@ -311,7 +311,7 @@ def test_a_staging_keeps_what_its_dtype_holds(staging, tolerance):
         run.k, run.v = ([x.to(staging).float() for x in xs] for xs in (run.k, run.v))
         runs.append(run.run())
     rounded, exact = runs
-    assert rounded.cache.staged.dtype == staging and rounded.cache.kernels == "cpu"
+    assert rounded.cache.staging.dtype == staging and rounded.cache.kernels == "cpu"
     for a, b in zip(rounded.outputs, exact.outputs, strict=True):
         assert_near(a, b, tolerance)
     assert same(rounded.cache.pages, exact.cache.pages)
@@ -339,7 +339,7 @@ def test_values_by_token_fill_the_methods_pages_and_own_groups_attend_quantized_
     run = Run(settings_for(name, staging, values="token"))
     run.k, run.v = ([x.to(staging).float() for x in xs] for xs in (run.k, run.v))
     run.run()
-    assert run.cache.staged.values is None and run.cache.kernels == "cpu"
+    assert run.cache.staging.values is None and run.cache.kernels == "cpu"
     check(run)
     by_request = Run(settings_for(name, staging, values="token"), by_request=True)
     by_request.k, by_request.v = run.k, run.v
@@ -435,7 +435,7 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were(v
                            seq_lens=starts.diff(), seq_lens_cpu_upper_bound=starts.diff(),
                            block_table_tensor=torch.full((rows, 8), NULL_BLOCK),
                            req_idx=np.arange(rows))
-    staged = [t.clone() for t in run.cache.staged.take(torch.arange(SEQUENCES * G))]
+    staged = [t.clone() for t in run.cache.staging.take(torch.arange(SEQUENCES * G))]
     pages = run.cache.cache.clone()
     book = run.planner.book.page_of.copy(), run.planner.book.used.copy(), run.planner.book.step
     built = builder.build(0, meta).plan
@@ -444,7 +444,7 @@ def test_a_dummy_batch_on_the_null_block_leaves_staging_and_pages_as_they_were(v
     run.cache.step(built, q, kv, kv, D**-0.5, torch.zeros_like(q))
     assert built.sealed == 0 and built.rows is None and not built.chunks
     assert torch.equal(run.cache.cache, pages)
-    for before, after in zip(staged, run.cache.staged.take(torch.arange(SEQUENCES * G)),
+    for before, after in zip(staged, run.cache.staging.take(torch.arange(SEQUENCES * G)),
                              strict=True):
         assert torch.equal(before, after)
     after = run.planner.book
@@ -485,8 +485,8 @@ def test_kernels_follow_the_device_and_a_choice_they_cannot_honour_is_refused(mo
     with pytest.raises(Unserved, match="kernels='cpu' cannot be honoured: the cache is on cuda"):
         choose("cpu", method, D, torch.float32, cuda)
     with pytest.raises(Refused, match="the cache is on cuda"):  # the plugin's refusal
-        layer.kernels(replace(settings, kernels="cpu"), cuda)
-    assert layer.kernels(settings, cpu) == "cpu"
+        layer.kernel_choice(replace(settings, kernels="cpu"), cuda)
+    assert layer.kernel_choice(settings, cpu) == "cpu"
     with monkeypatch.context() as patched:  # Triton on CPU tensors only interpreted
         patched.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(Unserved, match="Triton runs on CUDA tensors"):

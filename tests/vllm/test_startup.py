@@ -88,7 +88,7 @@ def test_custom_on_cuda_imports_kvmixs_backend_bound_to_the_engines_settings(tin
 
     backend, (module, name) = cuda(config)
     assert (module, name) == ("kvmix.vllm.selector", "CUSTOM")
-    assert backend.settings.text == "kivi2" and backend.settings.staging == torch.float32
+    assert backend.settings.text == "kivi2" and backend.settings.staging_dtype == torch.float32
 
     with set_current_vllm_config(config):  # the path imported again gives the same class
         assert resolve_obj_by_qualname(f"{module}.{name}") is backend

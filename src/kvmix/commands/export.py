@@ -58,7 +58,7 @@ class ExportPlanConfig(JobConfig):
     engine_version: str = ""  # engine=version[,...]: other known releases than the current
 
 
-def run_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dict:
+def run_export_plan(config: ExportPlanConfig, loaded: LoadedModel | None = None) -> dict:
     """Write ``out/kv_plan.json`` (see the module docstring); returns the plan."""
     if not config.out:
         raise ValueError("out is required: the folder kv_plan.json is written to")
@@ -114,7 +114,7 @@ def add_parser(commands) -> None:
 
 def _run(args) -> None:
     if args.plan:
-        run_plan(ExportPlanConfig(model=args.model, data=args.data, dtype=args.dtype,
+        run_export_plan(ExportPlanConfig(model=args.model, data=args.data, dtype=args.dtype,
                                   out=args.out, method=args.plan, context=args.context,
                                   eval_tokens=args.eval_tokens, chunk=args.chunk,
                                   measure=not args.no_measure,

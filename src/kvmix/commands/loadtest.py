@@ -28,7 +28,7 @@ from kvmix.commands.args import BACKEND_HELP, add_renamed, config_from, warn_ren
 from kvmix.engines.llamacpp.build import EngineMissing, server_version
 from kvmix.engines.llamacpp.server import LlamaServer
 from kvmix.engines.llamacpp.slots import PREFIX as LLAMA_PREFIX
-from kvmix.engines.llamacpp.slots import SlotPlan, parse_types, plan_slots
+from kvmix.engines.llamacpp.slots import SlotFit, fit_slots, parse_types
 from kvmix.engines.process import LocalServer, ServerDown
 from kvmix.engines.rows import engine_rows
 from kvmix.engines.vllm import server as vllm_server
@@ -164,7 +164,7 @@ def _resolved(method: str | None) -> str | None:
 
 
 def _slot_plans(config: LoadtestConfig, tokenizer, texts: list[str]
-                ) -> dict[str, SlotPlan]:
+                ) -> dict[str, SlotFit]:
     """Each llama.cpp row's slots within ``--memory``, each request counted as llama.cpp
     tokenizes the prompt text again (with its BOS) plus the most output tokens; ValueError
     before any server starts when no slot fits."""
@@ -176,7 +176,7 @@ def _slot_plans(config: LoadtestConfig, tokenizer, texts: list[str]
     model_config, _ = load_config(config.model)
     prompt = max(len(tokenizer(text, add_special_tokens=False).input_ids) for text in texts)
     per_request = prompt + 1 + max(config.new_tokens)
-    return {m: plan_slots(model_config, *parse_types(m),
+    return {m: fit_slots(model_config, *parse_types(m),
                                    parse_memory(config.memory), per_request,
                                    max(config.concurrency)) for m in engines}
 
@@ -242,7 +242,7 @@ def _tokens(config: LoadtestConfig) -> str:
 
 
 @contextlib.contextmanager
-def _server(config: LoadtestConfig, method: str | None, plan: SlotPlan | None):
+def _server(config: LoadtestConfig, method: str | None, plan: SlotFit | None):
     """The server a row measures, until the block ends -> (its URL, what the row records about
     it): the given URL, llama-server for a llama.cpp row, else ``kvmix serve``."""
     if method is None:

@@ -15,7 +15,7 @@ from kvmix.runtime.store import BatchStore, sealed_groups
 
 
 @dataclass(frozen=True)
-class Layout:
+class Segments:
     """Tokens of one sequence in one layer, by segment (blocks counted whole)."""
 
     sink: int
@@ -23,7 +23,7 @@ class Layout:
     residual: int
 
 
-def layout(method: Method, tokens: int, window: int | None = None) -> Layout:
+def segments(method: Method, tokens: int, window: int | None = None) -> Segments:
     """The flush rule in closed form: where ``tokens`` real tokens sit (in a sliding-window
     layer of ``window`` tokens, less the pages the next query cannot see: released)."""
     sink = min(tokens, method.sink)
@@ -31,10 +31,10 @@ def layout(method: Method, tokens: int, window: int | None = None) -> Layout:
     blocks = sealed_groups(method, rest)
     released = 0 if window is None else min(max((tokens - window + 1 - sink) // method.group,
                                                  0), blocks)
-    return Layout(sink, blocks - released, rest - blocks * method.group)
+    return Segments(sink, blocks - released, rest - blocks * method.group)
 
 
-def segment_bytes(method: Method, spec: ModelSpec, layer: int, held: Layout,
+def segment_bytes(method: Method, spec: ModelSpec, layer: int, held: Segments,
                   dtype: torch.dtype, selected: bool = True) -> dict[str, float]:
     """Bytes by segment: sink and residual at the method's slot dtype for a model in ``dtype``,
     blocks at the method's bits, and the prefill-time selection (once a sequence has been
@@ -52,10 +52,10 @@ def store_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
     """What ``store``'s segments should take by the bit formula: each sequence's sink, residual
     and selection, and every page in use once (beams share pages)."""
     method, layer = store.method, store.layer
-    rows = sum(sum(segment_bytes(method, spec, layer, Layout(store.sink_len[b], 0,
+    rows = sum(sum(segment_bytes(method, spec, layer, Segments(store.sink_len[b], 0,
                                                              store.res_len[b]), dtype,
                                  store.prefilled[b]).values()) for b in range(store.batch))
-    return rows + store.pool.used * page_bytes(method, spec, layer, dtype)
+    return rows + store.pool.used * formula_page_bytes(method, spec, layer, dtype)
 
 
 def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float:
@@ -64,7 +64,7 @@ def slack_bytes(store: BatchStore, spec: ModelSpec, dtype: torch.dtype) -> float
     if store.keys is None:
         return 0.0
     unused = store.slot_capacity - sum(store.sink_len) - sum(store.res_len)
-    free = len(store.pool.free) * page_bytes(store.method, spec, store.layer, dtype)
+    free = len(store.pool.free) * formula_page_bytes(store.method, spec, store.layer, dtype)
     return unused * slot_bytes(store.method, spec, dtype) + free
 
 
@@ -86,6 +86,6 @@ def open_groups_bytes(method: Method, spec: ModelSpec, staging: torch.dtype, slo
     return spec.n_layers * slots * (group + sums)
 
 
-def page_bytes(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> float:
+def formula_page_bytes(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> float:
     """One page (a sealed block of ``group`` tokens) by the bit formula."""
-    return segment_bytes(method, spec, layer, Layout(0, 1, 0), dtype, selected=False)["blocks"]
+    return segment_bytes(method, spec, layer, Segments(0, 1, 0), dtype, selected=False)["blocks"]

@@ -18,7 +18,7 @@ from transformers.cache_utils import (
 
 from kvmix.core.memory import kind_bytes
 from kvmix.methods import Method, ModelSpec, parse_method
-from kvmix.runtime.accounting import layout
+from kvmix.runtime.accounting import segments
 from kvmix.runtime.kernels import cpu, gpu, unserved
 from kvmix.runtime.layer import KVMixLayer, clear_pending
 from kvmix.runtime.pool import FREE
@@ -41,7 +41,7 @@ def max_pages(method: Method, max_batch: int | None, max_tokens: int | None,
     for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is invalid; expected an integer >= 1")
-    blocks = layout(method, max_tokens).blocks
+    blocks = segments(method, max_tokens).blocks
     if window is not None:
         blocks = min(blocks, 2 * (-(-(window - 1) // method.group) + 1))
     return max_batch * blocks

@@ -33,7 +33,7 @@ class Bound:
 
     method: Method
     spec: ModelSpec
-    staging: torch.dtype
+    staging_dtype: torch.dtype
 
 
 def bound(text: str, raw: dict[str, Any], hf_config: Any, dtype: torch.dtype,
@@ -75,7 +75,7 @@ def rank_spec(hf_config: Any, heads: tuple[int, int] | None = None) -> ModelSpec
 def staging_bytes(resolved: Bound, raw: dict[str, Any], sequences: int) -> int:
     """What the plugin stages beside vLLM's pages for ``sequences`` running at most: the open
     group of every sequence in every layer (keys only with ``values=token``)."""
-    return open_groups_bytes(resolved.method, resolved.spec, resolved.staging, sequences,
+    return open_groups_bytes(resolved.method, resolved.spec, resolved.staging_dtype, sequences,
                              raw.get("values", "group") == "group")
 
 

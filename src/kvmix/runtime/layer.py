@@ -165,10 +165,10 @@ class KVMixLayer(CacheLayerMixin):
         keys = self.method.transform_keys(key_states, self.layer_idx)
         if not self.stepping:
             self._check_range(keys, value_states)
-        self.staged = stored(keys, self.method), stored(value_states, self.method)
+        self.pending = stored(keys, self.method), stored(value_states, self.method)
         self.length += key_states.shape[-2]
         _HANDOFF.layer = self
-        return self.staged
+        return self.pending
 
     def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None,
                scaling: float) -> torch.Tensor:
@@ -177,8 +177,8 @@ class KVMixLayer(CacheLayerMixin):
         query: [B, Hq, q, D] (in the cache's key space); attention_mask: [B, 1, q, T] or None
         -> [B, Hq, q, D], zero at padding queries.
         """
-        keys, values = self.staged
-        self.staged = None
+        keys, values = self.pending
+        self.pending = None
         if self.stepping:
             return self._step(query, keys, values, scaling)
         self._read_pads(attention_mask)
@@ -385,7 +385,7 @@ class KVMixLayer(CacheLayerMixin):
                                 self.kind)
         self.pads: list[int] = []
         self.length = 0  # positions transformers sees, padding included
-        self.staged = None
+        self.pending = None
         self.stepping = False
         self.is_initialized = False
         self._undo: _Undo | None = None  # a continuous-batching step not committed yet

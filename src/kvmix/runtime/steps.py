@@ -78,7 +78,7 @@ class Workspace:
         return views
 
 
-class Staged:
+class Upload:
     """A persistent int64 device buffer filled from host lists (or int64 numpy arrays), one
     non-blocking copy each (from pinned memory on CUDA); it is reallocated only when it must
     grow."""
@@ -123,7 +123,7 @@ class StepMeta:
     """The decode-step metadata of every layer of one kind (see the module docstring)."""
 
     def __init__(self):
-        self._step, self._table = Staged(), Staged()
+        self._step, self._table = Upload(), Upload()
         self.workspace = Workspace()
         self._step_lists: tuple | None = None  # (device, the host list) uploaded last
         self._table_lists: tuple | None = None  # (device, pages, held) uploaded last

@@ -32,7 +32,7 @@ import torch
 from kvmix.capacity import kv_bytes
 from kvmix.methods import Method
 from kvmix.models.catalog import SLIDING, Architecture, from_config
-from kvmix.runtime.accounting import layout, page_bytes, segment_bytes
+from kvmix.runtime.accounting import formula_page_bytes, segment_bytes, segments
 from kvmix.runtime.cache import max_pages
 
 MOST_ROWS = 1024  # transformers' own cap on the requests of one batch
@@ -84,7 +84,7 @@ class Budget:
     def page_bytes(self) -> list[float]:
         """Bytes of one page id in every layer of each window's kind (``windows``)."""
         spec = self.arch.spec()
-        return [sum(page_bytes(self.method, spec, i, self.dtype)
+        return [sum(formula_page_bytes(self.method, spec, i, self.dtype)
                     for i, kind in enumerate(self.arch.layer_types)
                     if (kind == SLIDING) == (w is not None)) for w in self.windows]
 
@@ -165,7 +165,7 @@ class Budget:
                             self.extent(tokens), selection)
         if n == 1:
             return whole, Reservation(0.0, (0,) * len(self.windows), 0, 0.0)
-        held = layout(self.method, prompt - 1)
+        held = segments(self.method, prompt - 1)
         spec = self.arch.spec()
         shared = Reservation(
             sum(segment_bytes(self.method, spec, i, held, self.dtype)["blocks"]

@@ -55,7 +55,7 @@ from kvmix.runtime.attention import build_cache, check_window
 from kvmix.runtime.cache import KVMixCache
 from kvmix.runtime.folding import prepare_model
 from kvmix.runtime.pool import FREE
-from kvmix.runtime.steps import Staged
+from kvmix.runtime.steps import Upload
 from kvmix.runtime.store import FLOAT16_MAX, RowFault
 from kvmix.serving.budget import Budget, Reservation, model_architecture
 from kvmix.serving.engine import Served, greedy
@@ -66,7 +66,7 @@ DEFAULT_MAX_BATCH_TOKENS = 2048
 
 
 @dataclass
-class Step:
+class ForwardSegments:
     """Which segment of one forward's flat batch is which request."""
 
     decode: torch.Tensor | None  # [B] position of every row's new token, in row order
@@ -95,9 +95,9 @@ class Family:
 
 
 class _Handoff(threading.local):
-    """What a layer's ``update`` staged for its attention call."""
+    """What a layer's ``update`` left pending for its attention call."""
 
-    staged: tuple | None = None
+    pending: tuple | None = None
 
 
 _HANDOFF = _Handoff()
@@ -160,8 +160,8 @@ class KVMixPagedCache(PagedAttentionCache):
         # request of a step before the forward; what it raises fails that request alone
         self.inject: Callable[[str, int], None] | None = None
         self._entries: list[tuple[str, int, int]] = []
-        self._step: Step | None = None
-        self._positions = Staged()  # each running row's place in the forward, on the device
+        self._step: ForwardSegments | None = None
+        self._positions = Upload()  # each running row's place in the forward, on the device
         self._before: tuple[dict[str, int], list[str]] | None = None  # rows before the step
         self._waiting_refused = False
 
@@ -369,13 +369,13 @@ class KVMixPagedCache(PagedAttentionCache):
                 raise RuntimeError(f"the model's attention is {self.config._attn_implementation!r}"
                                    f", not {NAME!r}: it was switched while serving (use another "
                                    "copy of the model for generate)")
-            self._step = self._plan()
+            self._step = self._segments()
         layer = self.kv.layers[layer_idx]
         keys = layer.method.transform_keys(key_states, layer_idx)
-        _HANDOFF.staged = layer, self._step, keys, value_states
+        _HANDOFF.pending = layer, self._step, keys, value_states
         return key_states, value_states
 
-    def _plan(self) -> Step:
+    def _segments(self) -> ForwardSegments:
         """The forward's segments: every row's new token (each running request decodes) and
         the prompts of the requests admitted now, which become the next rows."""
         self._before = dict(self.rows), list(self.order)
@@ -406,7 +406,7 @@ class KVMixPagedCache(PagedAttentionCache):
             self.rows[request_id] = len(self.order)
             self.order.append(request_id)
         decode = self._positions.fill(positions, self.device) if positions else None
-        return Step(decode, [(at, length) for _, at, length in joins], list(self.order),
+        return ForwardSegments(decode, [(at, length) for _, at, length in joins], list(self.order),
                     [self.reserved[request_id].own.slots for request_id, _, _ in joins])
 
     # -- figures -------------------------------------------------------------------------------
@@ -455,8 +455,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     """One layer of a continuous-batching forward: query [1, Hq, T, D] of the flat batch ->
     [1, T, Hq, D]. Every running request's token in one decode call, then each admitted
     prompt over itself."""
-    layer, step, keys, values = _HANDOFF.staged
-    _HANDOFF.staged = None
+    layer, step, keys, values = _HANDOFF.pending
+    _HANDOFF.pending = None
     check_window(layer, kwargs.get("sliding_window"))
     query = layer.method.transform_queries(query, layer.layer_idx)
     scaling = kwargs.get("scaling") or module.scaling

@@ -35,12 +35,12 @@ from kvmix.vllm import SELECTOR
 from kvmix.vllm.layer import (
     LayerCache,
     OpenGroups,
-    kernels,
+    kernel_choice,
     readers,
     staging_nbytes,
     token_values_unserved,
 )
-from kvmix.vllm.pages import layout
+from kvmix.vllm.pages import page_layout
 from kvmix.vllm.plan import Planner, StepPlan, idle_plan
 from kvmix.vllm.settings import Refused, Settings, resolve
 
@@ -56,7 +56,7 @@ def backend_for(vllm_config: VllmConfig) -> type[KvmixBackend]:
     configuration: vLLM calls some of a backend's methods with no configuration at hand, such
     as ``customize_spec`` while it sizes the cache)."""
     settings = resolve(vllm_config)
-    key = (settings.text, settings.staging, settings.values, settings.dtype,
+    key = (settings.text, settings.staging_dtype, settings.values, settings.dtype,
            vllm_config.model_config.model,
            settings.spec.name, settings.spec.n_heads, settings.spec.n_kv_heads)
     if key not in _BOUND:
@@ -67,7 +67,7 @@ def backend_for(vllm_config: VllmConfig) -> type[KvmixBackend]:
 @functools.cache
 def page_bytes(settings: Settings, dtype: torch.dtype) -> int:
     """Bytes of one kvmix page: the widest layer's (per-layer widths share vLLM's page)."""
-    return max(layout(settings.method, settings.spec, layer, dtype).page_bytes
+    return max(page_layout(settings.method, settings.spec, layer, dtype).page_bytes
                for layer in range(settings.spec.n_layers))
 
 
@@ -226,11 +226,11 @@ def startup_line(config: VllmConfig, settings: Settings, spec: AttentionSpec,
     blocks = config.cache_config.num_gpu_blocks
     held = f"{blocks} blocks of {spec.block_size} = {blocks * spec.block_size} tokens a rank" \
         if blocks else "blocks as vLLM sizes them"
-    chosen = kernels(settings, device)
+    chosen = kernel_choice(settings, device)
     return (f"kvmix: {settings.text} ({keys:.2f} bits a key element, {values:.2f} a value; "
             f"{settings.spec.n_kv_heads} KV heads a rank) in vLLM's cache: "
             f"{page_bytes(settings, settings.dtype)} bytes a page of {settings.group} tokens, "
-            f"{held}; float staging ({str(settings.staging).removeprefix('torch.')}) of each "
+            f"{held}; float staging ({str(settings.staging_dtype).removeprefix('torch.')}) of each "
             f"running sequence's open group"
             f"{'' if settings.staged_values else ' (keys; values to pages as they come)'}: "
             f"{slots} sequences, "

@@ -43,7 +43,7 @@ from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.kernels import Unserved, batch, choose, cpu, gpu
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
-from kvmix.vllm.pages import Page, layout
+from kvmix.vllm.pages import Page, page_layout
 from kvmix.vllm.plan import Chunk, KernelRows, Readers, StepPlan
 from kvmix.vllm.settings import Refused, Settings, token_value_probes
 
@@ -64,7 +64,7 @@ class OpenGroups:
         method, spec = settings.method, settings.spec
         groups = SlotArena("the staging of a layer")
         groups.allocate(spec.n_kv_heads, slots * method.group, spec.head_dim,
-                        settings.staging, device, fixed=True, values=settings.staged_values)
+                        settings.staging_dtype, device, fixed=True, values=settings.staged_values)
         groups.add([method.group] * slots)
         if groups.offset != [s * method.group for s in range(slots)]:  # what plans assume
             raise RuntimeError("kvmix: the staging's slots are not one group apart")
@@ -81,14 +81,14 @@ class LayerCache:
                  block_size: int, device: torch.device, open_groups: OpenGroups | None = None):
         method, spec = settings.method, settings.spec
         self.method, self.layer, self.dtype = method, layer, dtype
-        self.layout = layout(method, spec, layer, dtype)
+        self.layout = page_layout(method, spec, layer, dtype)
         self.per_block, self.device = block_size // method.group, device
         self.head_dim = spec.head_dim
         open_groups = open_groups or OpenGroups.allocate(settings, slots, device)
-        self.staged, self.sums = open_groups.groups, open_groups.sums
+        self.staging, self.sums = open_groups.groups, open_groups.sums
         self.pages: Page | None = None
         self.cache: torch.Tensor | None = None
-        self.kernels = kernels(settings, device)
+        self.kernels = kernel_choice(settings, device)
         self.transforms = [name for name, heads in (("transform_queries", spec.n_heads),
                                                     ("transform_keys", spec.n_kv_heads))
                            if _changes(getattr(method, name), layer,
@@ -127,7 +127,7 @@ class LayerCache:
         """What the staging holds: each slot's open group (keys, and values unless
         ``values="token"``) and query sums."""
         sums = 0 if self.sums is None else self.sums.numel() * self.sums.element_size()
-        return self.staged.nbytes() + sums
+        return self.staging.nbytes() + sums
 
     # -- a step --------------------------------------------------------------------------------
 
@@ -172,7 +172,7 @@ class LayerCache:
         """key, value [N, H, D] -> [2, H, N, D] in the staging dtype (contiguous: the kernels
         read the kernel rows' new tokens in it)."""
         N, H, D = key.shape
-        new = torch.empty(2, H, N, D, dtype=self.staged.dtype, device=key.device)
+        new = torch.empty(2, H, N, D, dtype=self.staging.dtype, device=key.device)
         new[0].copy_(key.transpose(0, 1))
         new[1].copy_(value.transpose(0, 1))
         return new
@@ -196,7 +196,7 @@ class LayerCache:
         if self.kernels == "triton":
             table = Table(rows.table, rows.held, rows.counts, rows.table.shape[1])
             out = gpu.decode_pages(pool, table, queries, scale, self.method.group,
-                                   (self.staged.keys, self.staged.values, rows.floats),
+                                   (self.staging.keys, self.staging.values, rows.floats),
                                    step=(tokens[0:1], tokens[1:2]))
         else:
             keys, values, named = self._cpu_floats(plan, tokens)
@@ -223,8 +223,8 @@ class LayerCache:
             named["stage_at"] = plan.writes.stage_at
         if not self.staged_values:  # each row's own values are read from its page
             named["value_pages"] = plan.rows.own_pages
-            return self.staged.keys, self.staged.keys, named
-        return self.staged.keys, self.staged.values, named
+            return self.staging.keys, self.staging.keys, named
+        return self.staging.keys, self.staging.values, named
 
     def _reference(self, rows: KernelRows, k: int, token: int, query, new: torch.Tensor,
                    scale, output) -> None:
@@ -234,7 +234,8 @@ class LayerCache:
         staged_at, staged, new_at, count = rows.floats[k].tolist()
         floats = [torch.cat([held[:, :, staged_at : staged_at + staged],
                              laid[:, :, new_at : new_at + count]], -2).float()
-                  for held, laid in ((self.staged.keys, new[0:1]), (self.staged.values, new[1:2]))]
+                  for held, laid in ((self.staging.keys, new[0:1]),
+                                     (self.staging.values, new[1:2]))]
         first = None if rows.first_pages is None else rows.first_pages[k]
         history = self._history(pages, first, torch.float32)
         keys, values = (torch.cat([h, x], dim=-2) for h, x in zip(history, floats, strict=True))
@@ -261,7 +262,7 @@ class LayerCache:
         (``Chunk.blocks``), each over the decoded groups its queries see and its own floats."""
         staged = chunk.before % self.method.group
         if staged:
-            held = [x[None, :, :staged].float() for x in self.staged.views(chunk.slot)]
+            held = [x[None, :, :staged].float() for x in self.staging.views(chunk.slot)]
             keys, values = torch.cat([held[0], keys], -2), torch.cat([held[1], values], -2)
         history = self._history(chunk.pages, chunk.first, torch.float32)  # [1, H, P·G, D]
         outputs = []
@@ -275,8 +276,8 @@ class LayerCache:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """A row's pages decoded: keys, values [1, H, n·G, D]."""
         if not pages:
-            _, H, _, D = self.staged.keys.shape
-            empty = self.staged.keys.new_zeros(1, H, 0, D, dtype=dtype)
+            _, H, _, D = self.staging.keys.shape
+            empty = self.staging.keys.new_zeros(1, H, 0, D, dtype=dtype)
             return empty, empty
         index = torch.tensor(pages, device=self.device)
         blocks = map_tensors(self.pages.blocks, lambda t: t.index_select(0, index).unsqueeze(0))
@@ -359,11 +360,11 @@ class LayerCache:
         other paths from the staging and the step's tokens laid out, ``kv`` [N, 2, H, D]."""
         seals, G = plan.seals, self.method.group
         if self.kernels == "cpu":
-            return cpu.call("seal_tokens", self.staged.keys, self.staged.values, key, value,
+            return cpu.call("seal_tokens", self.staging.keys, self.staging.values, key, value,
                             seals.carried, seals.carried_at, seals.tokens, seals.tokens_at,
                             seals.count, G, self.dtype)
-        (_, H, _, D) = self.staged.keys.shape
-        staged = self.staged.take(seals.carried)  # keys (and values) [c, H, D]
+        (_, H, _, D) = self.staging.keys.shape
+        staged = self.staging.take(seals.carried)  # keys (and values) [c, H, D]
         n = len(staged)
         tokens = kv.new_empty(seals.count * G, n, H, D, dtype=self.dtype)  # [E·G, n, H, D]
         tokens.index_copy_(0, seals.carried_at, torch.stack(staged, 1).to(self.dtype))
@@ -376,7 +377,7 @@ class LayerCache:
         the op library's per-token encoder, as ``Method.token_values`` encodes them)."""
         groups = self._value_groups
         cpu.call("put_values", groups.codes, groups.scale, groups.minimum, value,
-                 self.staged.dtype, plan.writes.value_at, groups.bits, groups.group,
+                 self.staging.dtype, plan.writes.value_at, groups.bits, groups.group,
                  self.method.group)
 
     def _select(self, plan: StepPlan, sums: torch.Tensor | None, keys: torch.Tensor,
@@ -427,16 +428,16 @@ class LayerCache:
         writes = plan.writes
         if not writes.all_staged:
             new = new[:, :, writes.staged]  # [2, H, n, D]
-        self.staged.put(writes.staged_at, *new.transpose(1, 2))
+        self.staging.put(writes.staged_at, *new.transpose(1, 2))
 
 
 def readers(settings: Settings, block_size: int, device: torch.device) -> Readers:
     """What reads the plans of an engine with ``settings`` (``Readers``)."""
     method, spec = settings.method, settings.spec
     probe = method.query_sums(torch.zeros(1, spec.n_heads, 1, spec.head_dim))
-    selects = any(layout(method, spec, layer, settings.dtype).template.selection is not None
+    selects = any(page_layout(method, spec, layer, settings.dtype).template.selection is not None
                   for layer in range(spec.n_layers))
-    return Readers(method.group, block_size, kernels(settings, device),
+    return Readers(method.group, block_size, kernel_choice(settings, device),
                    settings.prefill == "exact", not settings.staged_values, probe is not None,
                    selects)
 
@@ -457,12 +458,12 @@ def staging_nbytes(settings: Settings, slots: int) -> int:
     """What every layer's staging holds for ``slots`` running sequences: the open group's keys
     and values (keys only with ``values="token"``) in the staging dtype, and where the method
     selects, its query sums."""
-    return open_groups_bytes(settings.method, settings.spec, settings.staging, slots,
+    return open_groups_bytes(settings.method, settings.spec, settings.staging_dtype, slots,
                              settings.staged_values)
 
 
 @functools.cache
-def kernels(settings: Settings, device: torch.device) -> str:
+def kernel_choice(settings: Settings, device: torch.device) -> str:
     """The kernels decode rows go through for ``settings`` on ``device`` (the runtime's
     ``choose``), decided once per engine: a warning names why the reference path runs where
     ``auto`` falls back to it; kernels asked for by name that cannot read the cache are
@@ -481,7 +482,7 @@ def token_values_unserved(settings: Settings, device: torch.device) -> str:
     """Why ``values="token"`` cannot run with ``settings`` on ``device`` ("" when it can): the
     CPU op alone reads a row's own values from its page, and its encoder quantizes groups of a
     power of two from 8 to 256 channels."""
-    chosen = kernels(settings, device)
+    chosen = kernel_choice(settings, device)
     if chosen != "cpu":
         return (f"a row's own values are read from its page by kvmix's CPU op only (kernels: "
                 f"{chosen})")

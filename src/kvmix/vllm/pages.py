@@ -36,7 +36,7 @@ class Page:
 
 
 @dataclass(frozen=True)
-class Layout:
+class PageLayout:
     """The byte layout of one layer's pages: the page state of one page (``template``, tensors
     ``[1, ...]``). Fields are laid out widest element first, so each field's region starts on a
     multiple of its element size with no padding: a page takes exactly ``page_bytes``."""
@@ -70,7 +70,7 @@ class Layout:
         return map_tensors(self.template, lambda _: next(found))
 
 
-def layout(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> Layout:
+def page_layout(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> PageLayout:
     """The page layout of ``method`` (bound to ``spec``) in ``layer``: one group of zeros
     encoded (the shapes and dtypes of its state) and the selection ``select_from`` makes."""
     keys = torch.zeros(1, spec.n_kv_heads, method.group, spec.head_dim, dtype=dtype)
@@ -82,4 +82,4 @@ def layout(method: Method, spec: ModelSpec, layer: int, dtype: torch.dtype) -> L
         raise Refused(f"{method.name} cannot select from a sequence's first group inside vLLM "
                       f"({error})") from error
     state = Blocks(*method.encode(keys, keys, layer, selection))
-    return Layout(Page(state, selection))
+    return PageLayout(Page(state, selection))

@@ -22,17 +22,17 @@ import torch
 from kvmix.methods import Method, ModelSpec
 from kvmix.runtime.inside_vllm import bound
 from kvmix.runtime.plugin_settings import KEY, Refused, checked
-from kvmix.vllm.pages import layout
+from kvmix.vllm.pages import page_layout
 
 
 @dataclass(frozen=True, eq=False)
 class Settings:
     """A resolved kvmix configuration: the method bound to the model (with the layout above),
-    the dtype of the float staging, the method string as given, and the kernels decode rows
-    go through (``KERNELS``)."""
+    the dtype of the float staging (the ``staging`` setting), the method string as given, and
+    the kernels decode rows go through (``KERNELS``)."""
 
     method: Method
-    staging: torch.dtype
+    staging_dtype: torch.dtype
     text: str
     spec: ModelSpec
     dtype: torch.dtype  # the model's
@@ -95,12 +95,12 @@ def _resolved(raw: dict[str, Any], vllm_config: Any) -> Settings:
     resolved = bound(text, raw, model.hf_config, model.dtype, heads,
                      parallel.tensor_parallel_size)
     method, spec = resolved.method, resolved.spec
-    layout(method, spec, 0, model.dtype)  # Refused where a page cannot be laid out inside vLLM
+    page_layout(method, spec, 0, model.dtype)  # Refused where a page cannot be laid out inside vLLM
     values = raw.get("values", "group")
     if values == "token" and not stored_by_token(method, spec):
         raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
                       "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
-    return Settings(method, resolved.staging, text, spec, model.dtype,
+    return Settings(method, resolved.staging_dtype, text, spec, model.dtype,
                     raw.get("kernels", "auto"), raw.get("prefill", "decode"), values)
 
 

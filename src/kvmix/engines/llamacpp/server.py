@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 from kvmix.engines.llamacpp.build import EngineMissing, server_binary
-from kvmix.engines.llamacpp.slots import SlotPlan
+from kvmix.engines.llamacpp.slots import SlotFit
 from kvmix.engines.process import LocalServer, ServerDown, log_tail
 
 
@@ -19,7 +19,7 @@ class LlamaServer(LocalServer):
 
     timeout = 120.0  # seconds to load and answer /health
 
-    def __init__(self, gguf: Path, plan: SlotPlan, threads: int, log: Path):
+    def __init__(self, gguf: Path, plan: SlotFit, threads: int, log: Path):
         super().__init__(log)
         self.gguf, self.plan, self.threads = gguf, plan, threads
         self.reported_bytes: int | None = None

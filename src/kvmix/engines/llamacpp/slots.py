@@ -53,7 +53,7 @@ def parse_types(setting: str) -> tuple[str, str]:
 
 
 @dataclass
-class SlotPlan:
+class SlotFit:
     """llama-server's slots within a budget: ``slots`` streams of ``per_slot`` cells each
     (``-c cells -np slots``, not unified: each slot attends over its own cells only), each
     holding one request of ``per_request`` tokens."""
@@ -67,8 +67,8 @@ class SlotPlan:
     bytes: int  # the cache llama.cpp allocates: cells x bytes per token
 
 
-def plan_slots(config: Any, k: str, v: str, budget: int, per_request: int,
-               most: int) -> SlotPlan:
+def fit_slots(config: Any, k: str, v: str, budget: int, per_request: int,
+              most: int) -> SlotFit:
     """The most slots (at most ``most``) whose cache fits ``budget`` bytes, each slot's context
     rounded up to llama.cpp's 256 cells (``GGML_PAD(n_ctx_seq, 256)``); ValueError when none
     fits."""
@@ -79,5 +79,5 @@ def plan_slots(config: Any, k: str, v: str, budget: int, per_request: int,
         raise ValueError(f"memory={budget} bytes fits no llama.cpp slot at {k}/{v}: one request "
                          f"of {per_request} tokens needs a {per_slot * per_token}-byte cache "
                          f"({per_token} bytes per token, {per_slot} cells)")
-    return SlotPlan(k, v, slots, per_request, per_slot, slots * per_slot,
+    return SlotFit(k, v, slots, per_request, per_slot, slots * per_slot,
                     slots * per_slot * per_token)
