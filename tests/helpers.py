@@ -161,7 +161,7 @@ def compare_rows(cache, count: int, seed: int, batch: int, mask=None, fused=None
     cache.update(keys, values, 0)
     layer = take_pending()
     queries = cache.method.transform_queries(queries, 0)
-    staged_keys, staged_values = layer.staged
+    staged_keys, staged_values = layer.pending
     worst = 0.0
     if mask is not None:
         layer._read_pads(mask)

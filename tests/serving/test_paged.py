@@ -52,7 +52,7 @@ def budget_for(model, method: str, requests: float, tokens: int) -> float:
 def watch_steps(monkeypatch) -> list[tuple[int, float, float, float]]:
     """At every forward's plan: (rows, bytes reserved, bytes the cache holds for tokens, bytes
     of every storage it keeps but the static tensors)."""
-    seen, plan = [], KVMixPagedCache._plan
+    seen, plan = [], KVMixPagedCache._segments
 
     def recorded(cache):
         step = plan(cache)
@@ -62,7 +62,7 @@ def watch_steps(monkeypatch) -> list[tuple[int, float, float, float]]:
                      kept))
         return step
 
-    monkeypatch.setattr(KVMixPagedCache, "_plan", recorded)
+    monkeypatch.setattr(KVMixPagedCache, "_segments", recorded)
     return seen
 
 
@@ -151,8 +151,8 @@ def test_the_split_follows_the_load(model, monkeypatch):
     budget = manager.budget
     assert budget.rows == 1 and budget.arena == SINK + RESIDUAL
     steps, caches = watch_steps(monkeypatch), []
-    plan = KVMixPagedCache._plan
-    monkeypatch.setattr(KVMixPagedCache, "_plan", lambda c: caches.append(c) or plan(c))
+    plan = KVMixPagedCache._segments
+    monkeypatch.setattr(KVMixPagedCache, "_segments", lambda c: caches.append(c) or plan(c))
     short, long = prompts((5, 5, 5, 5), seed=9), prompts((70, 60), seed=10)
     results = run_requests(manager, [
         *({"input_ids": p, "request_id": f"s{i}", "max_new_tokens": 4}
