@@ -7,7 +7,9 @@ a free port of 127.0.0.1 and, against it,
 2. ``/health`` polled every 10 ms while another client's 1 MB prompt is tokenized (p50, p99,
    max of its latency);
 3. a fault injected into one of 16 running requests (at its 5th decode step): how many complete,
-   how many fail, pages left in use, and whether the others' texts are what each gives alone.
+   how many fail, pages left in use, and whether the others' texts are what each gives alone;
+4. ``/health`` polled every 10 ms while hostile bodies are refused (a negative token id, a list
+   of 100,000 prompts, five stop strings, a 20 MB body): each refusal's status and message.
 
     .venv/bin/python scripts/serve_checks.py [--method kivi2] [--memory 180MB] [--out DIR]
 """
@@ -149,6 +151,31 @@ def _poll_health(url: str, during) -> dict[str, float]:
             "p99_ms": ordered[int(0.99 * (len(ordered) - 1))], "max_ms": ordered[-1]}
 
 
+HOSTILE = {"negative token id": {"prompt": [1, -5, 3]},
+           "100,000 prompts": {"prompt": ["a"] * 100_000},
+           "five stop strings": {"prompt": "a", "stop": ["x"] * 5}}
+
+
+def health_during_hostile_bodies(url: str) -> dict:
+    """/health latency (ms) polled every 10 ms while each hostile body is refused, and what
+    each refusal says."""
+    refusals = {}
+
+    def send() -> None:
+        with httpx.Client(base_url=url, timeout=600) as http:
+            bodies = {name: json.dumps(body).encode() for name, body in HOSTILE.items()}
+            bodies["20 MB body"] = b'{"prompt": "' + b"a" * (20 << 20) + b'"}'
+            for name, content in bodies.items():
+                try:
+                    answer = http.post("/v1/completions", content=content,
+                                       headers={"content-type": "application/json"})
+                    refusals[name] = (answer.status_code, answer.json()["error"]["message"][:160])
+                except httpx.HTTPError as error:
+                    refusals[name] = (type(error).__name__, str(error)[:160])
+
+    return {"refusals": refusals, **_poll_health(url, send)}
+
+
 def fault_in_one_of_sixteen(url: str, manager, loaded, method: str,
                             prompts: list[list[int]]) -> dict:
     """16 requests at once, one of them failing at its 5th decode step."""
@@ -205,6 +232,7 @@ def main() -> None:
         results = {"method": args.method, "memory": args.memory,
                    "client": client_checks(server.url),
                    "health": health_during_a_big_prompt(server.url),
+                   "hostile": health_during_hostile_bodies(server.url),
                    "fault": fault_in_one_of_sixteen(server.url, manager, reference, args.method,
                                                     prompts)}
     finally:

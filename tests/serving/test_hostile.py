@@ -19,15 +19,18 @@ TIMEOUT = 60.0
 HEALTH_TIMEOUT = 5.0  # a /health slower than this counts as stalled
 PROBE = {"prompt": "The capital of France is", "max_tokens": 12}
 
-HOSTILE = [  # (body, a word the error names)
+HOSTILE = [  # (body, what the error says: the field, and what is wrong with the form sent)
     ({"prompt": "a", "top_k": 2**31, "temperature": 1.0}, "top_k"),
     ({"prompt": "a", "top_k": 10**6, "temperature": 1.0}, "top_k"),
-    ({"prompt": [1, -5, 3]}, "prompt"),
-    ({"prompt": [[1, 2], [3, 2**40]]}, "prompt"),
+    ({"prompt": [1, -5, 3]}, "prompt.1: Input should be greater than or equal to 0"),
+    ({"prompt": [[1, 2], [3, 2**40]]}, "prompt.1.1: Input should be less than or equal"),
     ({"prompt": "a", "stop": "x" * (1 << 20)}, "stop"),
-    ({"prompt": "a", "stop": ["y" * 100_000]}, "stop"),
+    ({"prompt": "a", "stop": ["y" * 100_000]}, "stop.0: String should have at most 256"),
+    ({"prompt": "a", "stop": ["x"] * 5}, "stop: List should have at most 4 items"),
+    ({"prompt": "a", "stop": 5}, "stop: expected a string or a list of at most 4 strings"),
     ({"prompt": "a", "stop_token_ids": list(range(1000))}, "stop_token_ids"),
-    ({"prompt": ["a"] * 100_000}, "prompt"),
+    ({"prompt": ["a"] * 100_000}, "prompt: List should have at most 64 items"),
+    ({"prompt": {"text": "a"}}, "prompt: expected a string, a list of token ids, or a list"),
     ({"prompt": ["a"] * 16, "n": 8, "temperature": 1.0}, "sequences"),
     ({"prompt": "a", "max_tokens": 2**63}, "max_tokens"),
     ({"prompt": "a", "min_tokens": 2**40}, "min_tokens"),
@@ -151,4 +154,16 @@ def test_penalised_requests_beside_plain_ones_leave_them_as_they_were(served):
         else:
             assert answer.json()["usage"]["completion_tokens"] == 20
     assert len(answers) == 6
+    idle(manager)
+
+
+def test_a_body_far_beyond_max_body_is_answered_413_not_reset(served):
+    """A 20 MB body, declared or chunked, is read and dropped after the refusal, so the client
+    reads the 413 naming the limit instead of a connection reset mid-send."""
+    manager, url = served
+    body = b'{"prompt": "' + b"a" * (20 << 20) + b'"}'
+    for content in (body, iter([body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)])):
+        answer = post_raw(url, content)
+        assert answer.status_code == 413 and "max_body=" in answer.json()["error"]["message"]
+    assert post_raw(url, json.dumps(PROBE).encode()).status_code == 200
     idle(manager)

@@ -17,9 +17,17 @@ extensions, honoured too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from kvmix.serving.sampling import MAX_LOGIT_BIAS, RANGES, Sampling
 
@@ -61,6 +69,30 @@ TokenId = Annotated[int, Field(ge=0, le=MAX_ID)]
 Ids = Annotated[list[TokenId], Field(min_length=1)]
 Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
+# A field that takes several forms is validated as the form its JSON value has (a list by its
+# first item), so a refusal names what is wrong with that form, and a long list of the wrong
+# form is not tried against every other.
+FORMS = ("text", "token ids", "texts", "token id lists")
+
+
+def _form(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else ""
+    if isinstance(first, int) and not isinstance(first, bool):
+        return "token ids"
+    return {str: "texts", list: "token id lists"}.get(type(first))
+
+
+def OneOf(expected: str, **forms: Any) -> Any:
+    """A union of ``forms`` (keyword: the form's name in ``FORMS``, spaces as underscores),
+    the one validated chosen by the value's shape; another shape is refused as ``expected``."""
+    tagged = [Annotated[kind, Tag(name.replace("_", " "))] for name, kind in forms.items()]
+    return Annotated[Union[tuple(tagged)], Discriminator(  # noqa: UP007 (a runtime tuple)
+        _form, custom_error_type="form", custom_error_message=f"expected {expected}")]
+
 
 def Bounded(name: str) -> Any:
     """A float field in the sampler's range for ``name`` (``RANGES``), or None (neutral)."""
@@ -85,8 +117,9 @@ class _Request(_Body):
     min_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] = 0
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stop: Annotated[str, Field(max_length=MAX_STOP_CHARS)] \
-        | Annotated[list[Stop], Field(max_length=MAX_STOPS)] | None = None
+    stop: OneOf(f"a string or a list of at most {MAX_STOPS} strings",
+                text=Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+                texts=Annotated[list[Stop], Field(max_length=MAX_STOPS)]) | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -129,8 +162,10 @@ class _Request(_Body):
 class CompletionRequest(_Request):
     """``/v1/completions``: one prompt or several (text or token ids), ``n`` choices each."""
 
-    prompt: str | Ids | Annotated[list[str], Field(max_length=MAX_PROMPTS)] \
-        | Annotated[list[Ids], Field(max_length=MAX_PROMPTS)]
+    prompt: OneOf(f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
+                  text=str, token_ids=Ids,
+                  texts=Annotated[list[str], Field(max_length=MAX_PROMPTS)],
+                  token_id_lists=Annotated[list[Ids], Field(max_length=MAX_PROMPTS)])
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     best_of: Positive | None = None
     echo: Any = None
@@ -280,5 +315,7 @@ def _message(error: ValidationError) -> str:
 
 
 def _union_branch(part: Any) -> bool:
-    """Pydantic names the union member it tried (``list[int]``, ``str``...) in a location."""
-    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"})
+    """Pydantic names the union member it tried (``list[int]``, ``str``, a form's tag) in a
+    location."""
+    return isinstance(part, str) and ("[" in part or part in {"str", "int", "float", "bool"}
+                                      or part in FORMS)

@@ -49,6 +49,9 @@ from kvmix.serving.text import ChoiceText, Delta, Token
 LOG = logging.getLogger("kvmix.serve")
 X_REQUEST_ID = "x-request-id"
 MAX_HEADERS = 32 << 10  # bytes of a request's headers (431 beyond)
+# A body refused for its size is still read, and dropped, up to this many bytes and seconds, so
+# the client reads the 413 rather than a connection closed under its unsent body.
+DRAIN_BYTES, DRAIN_SECONDS = 64 << 20, 30.0
 POLL = 0.25  # seconds between checks of a waiting request's client, deadline and the server
 
 
@@ -589,6 +592,8 @@ class Gate:
                             "too_large", "invalid_request_error")
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
+            if headers.get(b"expect", b"").lower() != b"100-continue":  # else nothing is sent
+                await _drop(receive)
             return b"", too_large
         chunks, size = [], 0
         while True:
@@ -598,9 +603,25 @@ class Gate:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > limit:
+                if message.get("more_body"):
+                    await _drop(receive)
                 return b"", too_large
             if not message.get("more_body"):
                 return b"".join(chunks), None
+
+
+async def _drop(receive: Callable) -> None:
+    """Read the rest of a refused body and drop it (``DRAIN_BYTES``, ``DRAIN_SECONDS`` at most)."""
+    async def drain() -> None:
+        dropped = 0
+        while dropped < DRAIN_BYTES:
+            message = await receive()
+            dropped += len(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(drain(), DRAIN_SECONDS)
 
 
 def _replay(body: bytes, receive: Callable) -> Callable[[], Awaitable[dict]]:
