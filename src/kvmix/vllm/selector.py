@@ -7,15 +7,53 @@ vLLM loads plugins before it has a configuration, and on CPU it picks ``CPU_ATTN
 plugin points every member at this module (``register``) and the choice is made here, when vLLM
 resolves the class while it builds the model. vLLM's CUDA platform then imports the class again
 from ``full_cls_name()``, which names this module too (``KvmixBackend.full_cls_name``).
+
+Other KV-cache plugins register the same members; vLLM runs plugins in the order it finds
+them. One found before kvmix is what a member resolves to without kvmix (``FALLBACK``, read at
+``register``); one found after would replace the selector in vLLM's registry and run under a
+kvmix configuration, so the registry holds the members kvmix stands in for (``Held``) and the
+later class becomes the fallback too.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 STANDS_IN = ("CPU_ATTN", "CUSTOM")  # the members kvmix's backend is resolved for
-FALLBACK: dict[str, str | None] = {}  # per member: its path before kvmix registered
+FALLBACK: dict[str, str | None] = {}  # per member: its path without kvmix
+logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
+
+
+class Held(dict):
+    """vLLM's registry of backend overrides, with the members kvmix stands in for held by its
+    selector: a later registration of one of them (another KV-cache plugin found after kvmix)
+    becomes the member's class without kvmix (``FALLBACK``), logged with the plugin's name."""
+
+    def __setitem__(self, member: Any, path: str) -> None:
+        held = self.get(member, "")
+        if member.name in STANDS_IN and held.startswith(f"{__name__}.") and path != held:
+            FALLBACK[member.name] = path
+            logger.warning("kvmix: %s registers the %s attention backend (%s) after kvmix; it "
+                           "runs unless --additional-config names a kvmix method, where kvmix's "
+                           "runs", owner(path), member.name, path)
+            return
+        super().__setitem__(member, path)
+
+
+def hold(registry: Any) -> None:
+    """Hold the members kvmix stands in for in vLLM's ``registry`` module (``Held``)."""
+    if not isinstance(registry._ATTN_OVERRIDES, Held):
+        registry._ATTN_OVERRIDES = Held(registry._ATTN_OVERRIDES)
+
+
+def owner(path: str) -> str:
+    """The installed distribution a class path comes from (its top package where none)."""
+    from importlib.metadata import packages_distributions
+
+    top = path.split(".")[0]
+    return ", ".join(packages_distributions().get(top, [top]))
 
 
 def __getattr__(name: str) -> Any:
