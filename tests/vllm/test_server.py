@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -91,3 +92,72 @@ def test_kvmix_loadtests_client_runs_against_vllms_server(server):
     assert len({o.prompt_tokens for o in outcomes}) == 1 and outcomes[0].prompt_tokens >= 35
     # the gauge the loadtest reads for "most running" (too short a run to catch it nonzero)
     assert 0 <= peaks["vllm:num_requests_running"] <= 2
+
+
+OPTIONS = {  # request options of vLLM's OpenAI server, each with what a well-formed answer has
+    "n=3 sampled with a seed": {"n": 3, "temperature": 1.0, "seed": 5},
+    "beam search": {"use_beam_search": True, "n": 2, "temperature": 0},
+    "logprobs and prompt_logprobs": {"logprobs": 3, "prompt_logprobs": 2, "temperature": 0},
+    "stop with min_tokens": {"stop": ["t9"], "min_tokens": 4, "temperature": 0},
+    "penalties": {"presence_penalty": 1.0, "frequency_penalty": 0.5,
+                  "repetition_penalty": 1.2, "temperature": 0.7, "seed": 1},
+}  # structured output is not here: on the tiny model's word-level tokenizer, xgrammar rejects
+# the tokens of stock vLLM's own cache too (and ends the request)
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+def test_every_request_option_gives_a_well_formed_answer(server, option):
+    """Each request option of vLLM's OpenAI server through kvmix's cache: the choices it asks
+    for, each with its tokens and text; logprobs for every token asked; a seeded request gives
+    the same answer twice."""
+    folder, base, _ = server
+    asked = OPTIONS[option]
+    body = {"model": folder, "prompt": prompts([40], seed=3)[0]["prompt_token_ids"],
+            "max_tokens": 8, "return_token_ids": True, **asked}
+    status, answer = post(f"{base}/v1/completions", body)
+    assert status == 200, answer
+    choices = answer["choices"]
+    assert len(choices) == asked.get("n", 1)
+    for choice in choices:
+        assert 1 <= len(choice["token_ids"]) <= 8 and choice["finish_reason"] in ("stop", "length")
+        assert len(choice["token_ids"]) >= asked.get("min_tokens", 0)
+        assert all(stop not in choice["text"] for stop in asked.get("stop", []))
+    if "logprobs" in asked:
+        tops = choices[0]["logprobs"]["top_logprobs"]
+        assert len(tops) == len(choices[0]["token_ids"]) and all(len(t) >= 3 for t in tops)
+        assert len(choices[0]["prompt_logprobs"]) == len(body["prompt"])
+    if "seed" in asked:
+        assert post(f"{base}/v1/completions", body)[1]["choices"] == choices
+
+
+def test_a_stream_aborted_midway_ends_its_request(server):
+    """A streamed request of 400 tokens whose client goes away after a few chunks: vLLM stops
+    it there (nothing running, far fewer tokens generated, no request finished) and the next
+    request is answered."""
+    folder, base, _ = server
+    body = {"model": folder, "prompt": prompts([30], seed=4)[0]["prompt_token_ids"],
+            "max_tokens": 400, "ignore_eos": True, "stream": True}
+    request = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    generated, finished = (_metric(base, "vllm:generation_tokens_total"),
+                           _metric(base, "vllm:request_success_total"))
+    with urllib.request.urlopen(request, timeout=60) as response:
+        chunks = [response.readline() for _ in range(4)]
+    assert any(line.startswith(b"data: ") for line in chunks)
+    for _ in range(100):  # the abort reaches the engine within a few steps
+        if _metric(base, "vllm:num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    time.sleep(1.0)  # what it would generate meanwhile, were it running unseen
+    assert _metric(base, "vllm:num_requests_running") == 0
+    assert _metric(base, "vllm:generation_tokens_total") - generated < 100
+    assert _metric(base, "vllm:request_success_total") == finished
+    status, answer = post(f"{base}/v1/completions", {**body, "stream": False, "max_tokens": 4})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+
+
+def _metric(base: str, name: str, label: str = "") -> float:
+    """A counter or gauge of vLLM's /metrics (summed over the lines with ``label``)."""
+    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and label in line)
