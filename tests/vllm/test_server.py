@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -161,3 +162,25 @@ def _metric(base: str, name: str, label: str = "") -> float:
     text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith(name) and label in line)
+
+
+LM_EVAL = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "kvmix-lm-eval"
+
+
+@pytest.mark.skipif(not LM_EVAL.is_file(), reason="kvmix's own environment is not built")
+def test_lm_evals_local_completions_scores_a_task_through_kvmixs_cache(server):
+    """The documented command (docs/guide/vllm.md): lm-eval's own ``local-completions`` model
+    against vLLM's server with kvmix's cache, on kvmix's passkey task at 256 tokens: it scores
+    the task's three prompts, every one of them computed by the server."""
+    folder, base, _ = server
+    before = _metric(base, "vllm:prompt_tokens_total")
+    metadata = {"max_seq_lengths": [256], "samples": 1, "tokenizer": folder}
+    done = subprocess.run(
+        [str(LM_EVAL), "--model", "local-completions", "--model_args",
+         f"model={folder},base_url={base}/v1/completions,tokenizer={folder},"
+         "tokenized_requests=True,max_length=512", "--tasks", "kvmix_passkey",
+         "--metadata", json.dumps(metadata)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("|kvmix_passkey"))
+    assert 0 <= float(row.split("|")[7]) <= 1  # acc
+    assert _metric(base, "vllm:prompt_tokens_total") - before >= 3 * 200

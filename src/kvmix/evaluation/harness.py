@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from lm_eval.__main__ import cli_evaluate
@@ -133,11 +134,11 @@ def cli(argv: list[str] | None = None) -> None:
     cli_evaluate()
 
 
-def task_manager(tokenizer_folder: str | None = None, lengths: list[int] | None = None
-                 ) -> TaskManager:
-    """lm-eval's tasks plus kvmix's local ones; ``tokenizer_folder`` and ``lengths`` feed the
-    synthetic tasks (passkey, RULER) that size their prompts in tokens."""
-    metadata = {}
+def task_manager(tokenizer_folder: str | None = None, lengths: list[int] | None = None,
+                 **metadata: Any) -> TaskManager:
+    """lm-eval's tasks plus kvmix's local ones; ``tokenizer_folder``, ``lengths`` and other
+    ``metadata`` (``samples``) feed the synthetic tasks (passkey, RULER) that size their prompts
+    in tokens."""
     if tokenizer_folder:
         metadata["tokenizer"] = tokenizer_folder
     if lengths:
