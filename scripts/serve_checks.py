@@ -170,7 +170,7 @@ def health_during_hostile_bodies(url: str) -> dict:
                     answer = http.post("/v1/completions", content=content,
                                        headers={"content-type": "application/json"})
                     refusals[name] = (answer.status_code, answer.json()["error"]["message"][:160])
-                except httpx.HTTPError as error:
+                except (httpx.HTTPError, ValueError) as error:  # no answer, or not JSON
                     refusals[name] = (type(error).__name__, str(error)[:160])
 
     return {"refusals": refusals, **_poll_health(url, send)}

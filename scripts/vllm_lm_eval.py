@@ -7,8 +7,8 @@ lm-eval in this one (the ``eval`` extra).
     .venv/bin/python scripts/vllm_lm_eval.py MODEL_DIR --caches auto,kivi2,pnmix1 \\
         --lengths 1024,2048 --samples 4 --out DIR
 
-MODEL_DIR: a float model folder (``kvmix.engines.vllm.scoring.float_folder`` writes one).
-Each server gets ``--memory`` bytes of cache (its staging counted, as ``kvmix loadtest`` counts
+MODEL_DIR: a float model folder with its tokenizer (vLLM's server, lm-eval and the task read
+it). Each server gets ``--memory`` bytes of cache (its staging counted, as ``kvmix loadtest`` counts
 it), prefix caching off (every prompt is computed through the cache).
 """
 
@@ -26,6 +26,7 @@ from kvmix.engines.vllm.server import DEFAULT_PYTHON, VllmServer
 from kvmix.evaluation.harness import task_manager
 from kvmix.jobs import report
 from kvmix.jobs.report import print_table, write_results
+from kvmix.methods import split_methods
 
 
 def accuracy(python: str, model: str, cache: str, lengths: list[int], samples: int,
@@ -62,18 +63,20 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
-    with tempfile.TemporaryDirectory() as logs:
-        rows = [accuracy(args.vllm_python, args.model, cache, lengths, args.samples,
-                         args.memory, Path(logs)) for cache in args.caches.split(",")]
     columns = {"cache": "cache", "acc": "acc", **{f"acc@{n}": f"acc@{n}" for n in lengths},
                "samples": "samples", "version": "vLLM"}
+    with tempfile.TemporaryDirectory() as logs:
+        report.invocation = ["python", "scripts/vllm_lm_eval.py", *sys.argv[1:]]
+        rows = []
+        for cache in split_methods(args.caches):  # each row written as it is measured
+            rows.append(accuracy(args.vllm_python, args.model, cache, lengths, args.samples,
+                                 args.memory, Path(logs)))
+            if args.out:
+                path = write_results(args.out, "vllm_lm_eval", vars(args), rows,
+                                     ("kvmix_passkey through vLLM", columns))
+                print(json.dumps({"wrote": str(path)}))
     print_table("kvmix_passkey through vLLM's server (lm-eval local-completions)", rows,
                 columns)
-    if args.out:
-        report.invocation = ["python", "scripts/vllm_lm_eval.py", *sys.argv[1:]]
-        path = write_results(args.out, "vllm_lm_eval", vars(args), rows,
-                             ("kvmix_passkey through vLLM", columns))
-        print(json.dumps({"wrote": str(path)}))
 
 
 if __name__ == "__main__":

@@ -110,7 +110,7 @@ def test_no_two_modules_import_each_other_through_any_path():
 
     for name in sorted(graph):
         visit(name)
-    assert "kvmix.core.fused" in graph["kvmix.core.packing"]  # the graph sees lazy imports
+    assert "kvmix.runtime.inside_vllm" in graph["kvmix.engines.vllm.server"]  # lazy, seen
 
 
 def test_no_function_runs_over_60_lines():

@@ -24,7 +24,7 @@ from kvmix.cli import main
 from kvmix.engines.process import log_tail
 from kvmix.engines.vllm import server as vllm_server
 from kvmix.models.loading import load_tokenizer
-from kvmix.serving import vllm_engine as through_vllm
+from kvmix.serving import vllm_engine
 
 VLLM_PYTHON = Path(__file__).resolve().parents[2] / vllm_server.DEFAULT_PYTHON
 START_TIMEOUT = 240  # seconds: vLLM's server starts in about half a minute on 2 cores
@@ -95,7 +95,7 @@ def test_it_runs_loadtests_command_line_with_the_staging_counted(capsys, tokeniz
     ran = []
     monkeypatch.delenv("KVMIX_API_KEY", raising=False)
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
-    monkeypatch.setattr(through_vllm, "find", lambda python, plugin: FOUND)
+    monkeypatch.setattr(vllm_engine, "find", lambda python, plugin: FOUND)
     monkeypatch.setattr(vllm_server.os, "execve", lambda *call: ran.append(call))
     with saved_model(tokenizer) as folder:
         staging = vllm_server.staging_bytes(folder, "kivi2", 4)
@@ -133,7 +133,7 @@ def test_the_plugins_settings_after_the_method_reach_vllm(capsys, tokenizer, mon
     """--method kivi2@values=token: the plugin gets values="token", the budget counts the keys
     alone staged, and the start-up line names the setting."""
     ran = []
-    monkeypatch.setattr(through_vllm, "find", lambda python, plugin: FOUND)
+    monkeypatch.setattr(vllm_engine, "find", lambda python, plugin: FOUND)
     monkeypatch.setattr(vllm_server.os, "execve", lambda *call: ran.append(call))
     with saved_model(tokenizer) as folder:
         staging = vllm_server.staging_bytes(folder, "kivi2@values=token", 4)

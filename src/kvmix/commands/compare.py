@@ -68,7 +68,7 @@ def add_parser(commands) -> None:
 
 def run_compare(config: CompareConfig, loaded: LoadedModel | None = None) -> list[dict]:
     """Evaluate every method on the same tokens against the ``full`` cache: one cell per
-    method (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
+    method (``jobs.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
     check_inputs(config)
     check_grid(config)

@@ -51,7 +51,7 @@ def add_parser(commands) -> None:
 
 
 def run_eval(config: EvalConfig, loaded: LoadedModel | None = None) -> list[dict]:
-    """One cell per method (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
+    """One cell per method (``jobs.grid``: here or on Ray, resumed from ``--out``)."""
     lm_eval, harness = _imports()
     _check(config)
     check_grid(config)

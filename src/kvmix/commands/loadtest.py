@@ -4,7 +4,7 @@ one given by ``--url``, or one server per method and baseline it starts itself (
 among ``--baselines``, ``transformers`` for transformers' own paged float cache,
 ``llama.cpp:TYPE`` (or ``llama.cpp:K/V``) for llama.cpp's own ``llama-server`` on the same GGUF
 with that cache type and the most slots whose cache fits the budget
-(``kvmix.engines.llamacpp.build``), ``vllm:METHOD`` (or ``vllm:auto``, ``vllm:fp8``) for vLLM's
+(``kvmix.engines.llamacpp.slots``), ``vllm:METHOD`` (or ``vllm:auto``, ``vllm:fp8``) for vLLM's
 OpenAI server with kvmix's plugin (or its own cache) in the same bytes
 (``kvmix.engines.vllm.server``) — with requests/s, output tokens/s, time to first token and
 per output token (p50/p99), failures, the most requests running and cache bytes held at once,

@@ -60,7 +60,7 @@ def add_parser(commands) -> None:
 
 def run_longgen(config: LonggenConfig, loaded: LoadedModel | None = None) -> list[dict]:
     """One cell per method and batch of prompts not in ``samples.jsonl`` yet
-    (``evaluation.grid``: here or on Ray)."""
+    (``jobs.grid``: here or on Ray)."""
     _check(config)
     _chrf()
     check_grid(config)

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
+from kvmix.jobs.ray import require_ray
 from kvmix.jobs.report import console
-from kvmix.serving.launch import ANCHOR, Scale, ServeConfig, build, deploy_config, require_ray
+from kvmix.serving.launch import ANCHOR, Scale, ServeConfig, build, deploy_config
 from kvmix.serving.vllm_engine import VllmEngine, describe, prepare
 
 
@@ -193,7 +194,7 @@ def _run_ray(config: ServeConfig, scale: Any, address: str | None, path: str | N
         Path(path).write_text(yaml.safe_dump(deploy_config(config, scale), sort_keys=False))
         console.print(f"wrote {path}: `serve deploy {path}` on a Ray cluster serves it")
         return
-    require_ray()
+    require_ray(serve=True)
     from kvmix.serving.replicas import serve_on_ray
 
     serve_on_ray(config, scale, address, console.print)

@@ -85,7 +85,7 @@ def add_parser(commands) -> None:
 
 
 def run_sweep(config: SweepConfig, loaded: LoadedModel | None = None) -> list[dict]:
-    """One cell per point (``evaluation.grid``: here or on Ray, resumed from ``--out``)."""
+    """One cell per point (``jobs.grid``: here or on Ray, resumed from ``--out``)."""
     check_lengths(config.context, config.eval_tokens, config.chunk)
     check_inputs(config)
     check_grid(config)

@@ -25,9 +25,15 @@ def reachable(address: str | None, timeout: float = 3.0) -> None:
             from None
 
 
-def require_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ValueError(f"--ray needs Ray, which is not installed: {RAY_EXTRA}") from None
+def require_ray(serve: bool = False) -> Any:
+    """Ray (and Ray Serve, with ``serve``) is installed -> the ``ray`` module, or a ValueError
+    with the line that installs it."""
+    import importlib.util
+
+    parts = ("ray", "ray.serve") if serve else ("ray",)
+    if any(importlib.util.find_spec(part) is None for part in parts):  # "ray" checked first
+        raise ValueError(f"--ray needs Ray{' Serve' * serve}, which is not installed: "
+                         f"{RAY_EXTRA}")
+    import ray
+
     return ray

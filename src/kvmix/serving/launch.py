@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from kvmix.capacity import parse_memory
-from kvmix.jobs.ray import RAY_EXTRA
 from kvmix.methods import parse_method
 
 ANCHOR = "transformers"  # transformers' own continuous batching and paged float cache
@@ -56,14 +55,6 @@ class ServeConfig:
         return Limits(self.max_tokens, self.max_waiting,
                       int(parse_memory(self.max_body, "max_body")),
                       self.request_timeout or None, self.key(), self.drain_timeout)
-
-
-def require_ray() -> None:
-    """Ray Serve is installed, or a ValueError with the line that installs it."""
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
-        raise ValueError(f"--ray needs Ray Serve, which is not installed: {RAY_EXTRA}")
 
 
 def check(config: ServeConfig) -> None:

@@ -71,27 +71,33 @@ Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 # A field that takes several forms is validated as the form its JSON value has (a list by its
 # first item), so a refusal names what is wrong with that form, and a long list of the wrong
-# form is not tried against every other.
-FORMS = ("text", "token ids", "texts", "token id lists")
+# form is not tried against every other. (Each form's name has a space: no field's name does.)
+FORMS = ("a string", "token ids", "a list of strings", "token id lists", "a list of parts")
 
 
-def _form(value: Any) -> str | None:
+def _form(value: Any, empty: str) -> str | None:
+    """The form ``value`` has (``empty``: an empty list's), None for none of ``FORMS``."""
     if isinstance(value, str):
-        return "text"
+        return "a string"
     if not isinstance(value, list):
         return None
-    first = value[0] if value else ""
-    if isinstance(first, int) and not isinstance(first, bool):
+    if not value:
+        return empty
+    if isinstance(value[0], int) and not isinstance(value[0], bool):
         return "token ids"
-    return {str: "texts", list: "token id lists"}.get(type(first))
+    return {str: "a list of strings", list: "token id lists", dict: "a list of parts"}.get(
+        type(value[0]))
 
 
-def OneOf(expected: str, **forms: Any) -> Any:
-    """A union of ``forms`` (keyword: the form's name in ``FORMS``, spaces as underscores),
-    the one validated chosen by the value's shape; another shape is refused as ``expected``."""
-    tagged = [Annotated[kind, Tag(name.replace("_", " "))] for name, kind in forms.items()]
+def OneOf(expected: str, forms: dict[str, Any]) -> Any:
+    """A union of ``forms`` (by their names in ``FORMS``), the one validated chosen by the
+    value's shape (an empty list: the first list form); another shape is refused as
+    ``expected``."""
+    tagged = [Annotated[kind, Tag(name)] for name, kind in forms.items()]
+    empty = next(name for name in forms if "list" in name)
     return Annotated[Union[tuple(tagged)], Discriminator(  # noqa: UP007 (a runtime tuple)
-        _form, custom_error_type="form", custom_error_message=f"expected {expected}")]
+        lambda value: _form(value, empty), custom_error_type="form",
+        custom_error_message=f"expected {expected}")]
 
 
 def Bounded(name: str) -> Any:
@@ -117,9 +123,9 @@ class _Request(_Body):
     min_tokens: Annotated[int, Field(ge=0, le=MAX_ID)] = 0
     seed: Annotated[int, Field(ge=-(1 << 63), lt=1 << 64)] | None = None
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stop: OneOf(f"a string or a list of at most {MAX_STOPS} strings",
-                text=Annotated[str, Field(max_length=MAX_STOP_CHARS)],
-                texts=Annotated[list[Stop], Field(max_length=MAX_STOPS)]) | None = None
+    stop: OneOf(f"a string or a list of at most {MAX_STOPS} strings", {
+        "a string": Annotated[str, Field(max_length=MAX_STOP_CHARS)],
+        "a list of strings": Annotated[list[Stop], Field(max_length=MAX_STOPS)]}) | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_IDS)] | None = None
     ignore_eos: bool = False
     stream: bool = False
@@ -162,10 +168,10 @@ class _Request(_Body):
 class CompletionRequest(_Request):
     """``/v1/completions``: one prompt or several (text or token ids), ``n`` choices each."""
 
-    prompt: OneOf(f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either",
-                  text=str, token_ids=Ids,
-                  texts=Annotated[list[str], Field(max_length=MAX_PROMPTS)],
-                  token_id_lists=Annotated[list[Ids], Field(max_length=MAX_PROMPTS)])
+    prompt: OneOf(f"a string, a list of token ids, or a list of at most {MAX_PROMPTS} of either", {
+        "a string": str, "token ids": Ids,
+        "a list of strings": Annotated[list[str], Field(max_length=MAX_PROMPTS)],
+        "token id lists": Annotated[list[Ids], Field(max_length=MAX_PROMPTS)]})
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     best_of: Positive | None = None
     echo: Any = None
@@ -203,7 +209,8 @@ class TextPart(_Body):
 
 class Message(_Body):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
+    content: OneOf("a string or a list of text parts", {
+        "a string": str, "a list of parts": list[TextPart]}) | None = None
     name: str | None = None
 
     def plain(self) -> dict[str, str]:

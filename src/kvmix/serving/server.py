@@ -11,10 +11,11 @@ started continuous-batching manager (``KVMixManager``, or ``TransformersManager`
 * **Faults** stay with their request: the loop contains a failed step (``engine``), the request
   at fault gets a 500 with the cause (a streamed one a last chunk with the error).
 * **Limits and access**: headers beyond ``MAX_HEADERS`` get 431, bodies beyond ``max_body``
-  413 before they are read whole; every field is bounded by ``protocol`` (400); parsing,
-  tokenization and chat templates run in a worker thread; beyond ``max_waiting`` waiting
-  prompts a request gets 429; a request past ``request_timeout`` (both on by default),
-  or whose client went away, is cancelled and its pages return; with ``api_key``, ``/v1/*``
+  413 before they are parsed (the rest read and dropped: ``DRAIN_BYTES``); every field is
+  bounded by ``protocol`` (400); parsing, tokenization and chat templates run in a worker
+  thread; beyond ``max_waiting`` waiting prompts a request gets 429; a request past
+  ``request_timeout`` (both on by default), or whose client went away, is cancelled and its
+  pages return; with ``api_key``, ``/v1/*``
   needs ``Authorization: Bearer KEY`` (compared in constant time), ``/health`` and
   ``/metrics`` stay open.
 * **Drain and death**: ``drain()`` (SIGTERM, SIGINT) answers 503 to new requests and lets
@@ -538,7 +539,7 @@ async def _streamed(run: Run) -> AsyncIterator[str]:
 class Gate:
     """ASGI middleware in front of the app: headers beyond ``MAX_HEADERS`` bytes refused
     (431); ``/v1/*`` refused while draining (503) or without the API key (401); bodies beyond
-    ``max_body`` refused (413) before they are read whole."""
+    ``max_body`` refused (413) before they are parsed, the rest of them read and dropped."""
 
     def __init__(self, app: FastAPI, service: Service):
         self.app, self.service = app, service
@@ -592,7 +593,8 @@ class Gate:
                             "too_large", "invalid_request_error")
         declared = headers.get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
-            if headers.get(b"expect", b"").lower() != b"100-continue":  # else nothing is sent
+            if int(declared) <= DRAIN_BYTES and headers.get(b"expect", b"").lower() \
+                    != b"100-continue":  # else more than a drop takes, or nothing is sent
                 await _drop(receive)
             return b"", too_large
         chunks, size = [], 0

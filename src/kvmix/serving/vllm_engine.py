@@ -1,5 +1,5 @@
 """``kvmix serve --engine vllm``: vLLM's OpenAI server in this process's place, started as
-``kvmix loadtest``'s ``vllm:`` rows start it (``evaluation.vllm_server``: one command line, the
+``kvmix loadtest``'s ``vllm:`` rows start it (``engines.vllm.server``: one command line, the
 budget with the plugin's staging counted). ``--method`` is a kvmix method, run through kvmix's
 plugin, or vLLM's own cache (``auto``: the model's float32, ``fp8``). A setting of ``kvmix
 serve`` that vLLM's server has under another name is passed on when given; one it has no
