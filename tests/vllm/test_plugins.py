@@ -2,8 +2,9 @@
 would, and ``CUSTOM``), installed as a real distribution with a ``vllm.general_plugins`` entry
 point and found by vLLM's own loader before kvmix or after it (its folder first or last on the
 path). Each order runs in a process of its own, through vLLM's configuration and registry, no
-engine: with kvmix configured both members resolve to kvmix's backend; without, to the other
-plugin's class, as they would without kvmix.
+engine: with kvmix configured both members resolve to kvmix's backend (and a backend the other
+plugin registers for CUDA refuses to start, naming ``CUSTOM``); without, to the other plugin's
+classes, as they would without kvmix.
 """
 
 from __future__ import annotations
@@ -30,11 +31,16 @@ class OtherBackend(CPUAttentionBackend):
     """Another plugin's backend: vLLM's CPU backend under its own name."""
 
 
+class OtherFlash(CPUAttentionBackend):
+    """Another plugin's stand-in for a CUDA backend."""
+
+
 def register():
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     for member in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM):
         register_backend(member, "otherkv.OtherBackend")
+    register_backend(AttentionBackendEnum.FLASH_ATTN, "otherkv.OtherFlash")
 '''
 RESOLVE = '''
 import json, sys
@@ -56,6 +62,14 @@ for asked, extra in (("kvmix", {"kvmix": {"method": "kivi2"}}), ("none", {})):
     with set_current_vllm_config(config):
         resolved[asked] = {m.name: m.get_class().__name__
                            for m in (AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.CUSTOM)}
+        flash = AttentionBackendEnum.FLASH_ATTN.get_class()
+        try:  # what vLLM's CUDA platform asks of a backend it considers
+            flash.validate_configuration()
+            resolved[asked]["FLASH_ATTN"] = flash.__name__
+        except ValueError as error:
+            resolved[asked]["FLASH_ATTN"] = "refused: " + str(error)[:60]
+        except TypeError:  # asked without vLLM's arguments: not refused
+            resolved[asked]["FLASH_ATTN"] = flash.__name__
 print(json.dumps({"found": found, "resolved": resolved}))
 '''
 
@@ -92,7 +106,9 @@ def test_kvmix_runs_where_configured_and_the_other_plugin_everywhere_else(
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["found"] == (["kvmix", "other"] if last else ["other", "kvmix"])
     kvmix = {"CPU_ATTN": "KvmixBackend", "CUSTOM": "KvmixBackend"}
-    other = {"CPU_ATTN": "OtherBackend", "CUSTOM": "OtherBackend"}
-    assert result["resolved"] == {"kvmix": kvmix, "none": other}
+    other = {"CPU_ATTN": "OtherBackend", "CUSTOM": "OtherBackend", "FLASH_ATTN": "OtherFlash"}
+    configured = result["resolved"]["kvmix"]
+    assert configured.pop("FLASH_ATTN").startswith("refused: kvmix is configured")
+    assert configured == kvmix and result["resolved"]["none"] == other
     if last:  # the plugin that came after is named in vLLM's log
         assert "otherkv registers the CPU_ATTN attention backend" in done.stderr

@@ -1,4 +1,4 @@
-"""Text that works offline (docs/guide/methods.md, Models): ``prose`` (CPython's pydoc topics),
+"""Text that works offline (docs/guide/evaluation.md): ``prose`` (CPython's pydoc topics),
 ``code`` (CPython's own standard-library sources) or any text file."""
 
 from __future__ import annotations

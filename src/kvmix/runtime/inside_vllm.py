@@ -41,7 +41,7 @@ def bound(text: str, raw: dict[str, Any], hf_config: Any, dtype: torch.dtype,
     """``text`` (a method string) with the plugin's settings ``raw`` on a model of
     ``hf_config`` in ``dtype``, laid out and bound to the rank holding ``heads`` (attention,
     KV; None: all of them) of ``ranks`` tensor-parallel ranks; ``Refused`` naming what cannot
-    be honoured."""
+    be honoured (values by token included)."""
     try:
         parsed = parse_method(text)
     except ImportError as error:  # a backend's library missing from vLLM's environment
@@ -56,6 +56,9 @@ def bound(text: str, raw: dict[str, Any], hf_config: Any, dtype: torch.dtype,
         method.bind(spec)
     except ValueError as error:
         raise Refused(f"kvmix method {text!r} on this model: {error}") from error
+    if raw.get("values") == "token" and not stored_by_token(method, spec):
+        raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
+                      "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
     return Bound(method, spec, staging_dtype(raw.get("staging"), method, dtype))
 
 
@@ -102,3 +105,17 @@ def _overrides(text: str) -> dict[str, str]:
     _, _, rest = text.partition(":")
     pairs = (item.partition("=") for item in rest.split(",") if "=" in item)
     return {key.strip(): value.strip() for key, _, value in pairs}
+
+
+def stored_by_token(method: Method, spec: ModelSpec) -> bool:
+    """Whether every layer of ``method`` (bound to ``spec``) stores its values token by token
+    (``Method.token_values``) as min-max groups, the encoding the CPU op writes them in."""
+    return all(q is not None and not q.center and q.minimum is not None
+               for q in token_value_probes(method, spec))
+
+
+def token_value_probes(method: Method, spec: ModelSpec) -> list[Any]:
+    """One token's values encoded by each layer's ``Method.token_values`` (None: not per
+    token)."""
+    probe = torch.zeros(1, spec.n_kv_heads, 1, spec.head_dim)
+    return [method.token_values(probe, layer) for layer in range(spec.n_layers)]

@@ -24,10 +24,10 @@ def register() -> None:
     chosen on CPU) and ``CUSTOM`` (``--attention-backend CUSTOM`` on CUDA) resolve to kvmix's
     backend when vLLM's configuration names a kvmix method; the others to the class they
     resolved to before (vLLM's own, or another plugin's), or, with kvmix configured, to a start-up
-    error naming ``--attention-backend CUSTOM``. Another plugin that registers ``CPU_ATTN`` or
-    ``CUSTOM`` after this (vLLM loads plugins in the order it finds them) does not displace the
-    selector: its class becomes what the member resolves to without kvmix (``selector.hold``).
-    Safe to call more than once."""
+    error naming ``--attention-backend CUSTOM``. Another plugin that registers a member after
+    this (vLLM loads plugins in the order it finds them) does not displace the selector: its
+    class becomes what the member resolves to without kvmix (``selector.hold``). Safe to call
+    more than once."""
     from vllm.v1.attention.backends import registry
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 

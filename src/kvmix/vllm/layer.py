@@ -40,12 +40,13 @@ from kvmix.methods import Blocks
 from kvmix.methods.base import token_groups
 from kvmix.runtime.accounting import open_groups_bytes
 from kvmix.runtime.arena import SlotArena
+from kvmix.runtime.inside_vllm import token_value_probes
 from kvmix.runtime.kernels import Unserved, batch, choose, cpu, gpu
 from kvmix.runtime.kernels.reference import sdpa
 from kvmix.runtime.steps import Table
 from kvmix.vllm.pages import Page, page_layout
 from kvmix.vllm.plan import Chunk, KernelRows, Readers, StepPlan
-from kvmix.vllm.settings import Refused, Settings, token_value_probes
+from kvmix.vllm.settings import Refused, Settings
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
 

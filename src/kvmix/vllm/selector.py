@@ -11,8 +11,8 @@ from ``full_cls_name()``, which names this module too (``KvmixBackend.full_cls_n
 Other KV-cache plugins register the same members; vLLM runs plugins in the order it finds
 them. One found before kvmix is what a member resolves to without kvmix (``FALLBACK``, read at
 ``register``); one found after would replace the selector in vLLM's registry and run under a
-kvmix configuration, so the registry holds the members kvmix stands in for (``Held``) and the
-later class becomes the fallback too.
+kvmix configuration, so the registry holds the selector's members (``Held``) and the later
+class becomes the fallback too.
 """
 
 from __future__ import annotations
@@ -27,17 +27,18 @@ logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`
 
 
 class Held(dict):
-    """vLLM's registry of backend overrides, with the members kvmix stands in for held by its
-    selector: a later registration of one of them (another KV-cache plugin found after kvmix)
-    becomes the member's class without kvmix (``FALLBACK``), logged with the plugin's name."""
+    """vLLM's registry of backend overrides, with every member kvmix's selector answers for
+    held by it: a later registration (another plugin found after kvmix) becomes the member's
+    class without kvmix (``FALLBACK``), logged with the plugin's name; with kvmix configured,
+    the selector still answers (kvmix's backend, or the refusal naming ``CUSTOM``)."""
 
     def __setitem__(self, member: Any, path: str) -> None:
         held = self.get(member, "")
-        if member.name in STANDS_IN and held.startswith(f"{__name__}.") and path != held:
+        if held.startswith(f"{__name__}.") and path != held:
             FALLBACK[member.name] = path
             logger.warning("kvmix: %s registers the %s attention backend (%s) after kvmix; it "
-                           "runs unless --additional-config names a kvmix method, where kvmix's "
-                           "runs", owner(path), member.name, path)
+                           "runs unless --additional-config names a kvmix method", owner(path),
+                           member.name, path)
             return
         super().__setitem__(member, path)
 

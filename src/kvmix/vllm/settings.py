@@ -96,26 +96,9 @@ def _resolved(raw: dict[str, Any], vllm_config: Any) -> Settings:
                      parallel.tensor_parallel_size)
     method, spec = resolved.method, resolved.spec
     page_layout(method, spec, 0, model.dtype)  # Refused where a page cannot be laid out inside vLLM
-    values = raw.get("values", "group")
-    if values == "token" and not stored_by_token(method, spec):
-        raise Refused(f"values='token' cannot be honoured for {text!r}: its values are not "
-                      "per-token groups (valid for kivi, kxvy, pnmix, kitty and chanmix)")
     return Settings(method, resolved.staging_dtype, text, spec, model.dtype,
-                    raw.get("kernels", "auto"), raw.get("prefill", "decode"), values)
-
-
-def stored_by_token(method: Method, spec: ModelSpec) -> bool:
-    """Whether every layer of ``method`` (bound to ``spec``) stores its values token by token
-    (``Method.token_values``) as min-max groups, the encoding the CPU op writes them in."""
-    return all(q is not None and not q.center and q.minimum is not None
-               for q in token_value_probes(method, spec))
-
-
-def token_value_probes(method: Method, spec: ModelSpec) -> list[Any]:
-    """One token's values encoded by each layer's ``Method.token_values`` (None: not per
-    token)."""
-    probe = torch.zeros(1, spec.n_kv_heads, 1, spec.head_dim)
-    return [method.token_values(probe, layer) for layer in range(spec.n_layers)]
+                    raw.get("kernels", "auto"), raw.get("prefill", "decode"),
+                    raw.get("values", "group"))
 
 
 def refuse_parallelism(vllm_config: Any, text: str) -> None:

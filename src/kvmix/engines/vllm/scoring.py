@@ -32,7 +32,10 @@ def vllm_layout(setting: str) -> str:
     if method == "full":
         return setting
     group = laid_out(parse_method(method), method, where="--engine vllm").group
-    return f"{method}{',' if ':' in method else ':'}sink=0,residual={group}{at}{plugin}"
+    name, _, overrides = method.partition(":")
+    kept = [item for item in overrides.split(",")  # sink and residual: as laid out, once
+            if item and item.partition("=")[0].strip() not in ("sink", "residual")]
+    return f"{name}:{','.join([*kept, 'sink=0', f'residual={group}'])}{at}{plugin}"
 
 
 def check_setting(setting: str) -> None:
