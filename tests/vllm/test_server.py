@@ -38,10 +38,12 @@ def post(url: str, body: dict, timeout: float = 60) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def server():
     """vLLM's server on the tiny model, as ``kvmix loadtest`` starts it for a ``vllm:`` row
-    (1 GiB of KV cache, blocks of 32 tokens) -> (folder, URL, the server)."""
+    (1 GiB of KV cache, blocks of 32 tokens), at most 8 requests and 64 tokens a step (a longer
+    prompt is prefilled in chunks) -> (folder, URL, the server)."""
     with tiny_model_folder() as folder, tempfile.TemporaryDirectory() as logs:
         served = VllmServer(sys.executable, folder, f"vllm:{METHOD['method']}", GIB, 512,
-                            Path(logs) / "server.log", extra=["--block-size", "32"])
+                            Path(logs) / "server.log", sequences=8,
+                            extra=["--block-size", "32", "--max-num-batched-tokens", "64"])
         served.timeout = START_TIMEOUT
         with served as base:
             yield folder, base, served
@@ -49,11 +51,12 @@ def server():
 
 
 def test_completions_are_the_engines_tokens_with_logprobs_and_n(server):
-    """Greedy completions with logprobs, then n=2 sampled: the engine's tokens; vLLM's cache
+    """Greedy completions with logprobs (the longest prompt prefilled in chunks of the server's
+    64 tokens, whole by the engine), then n=2 sampled: the engine's tokens; vLLM's cache
     holds what 1 GiB less the plugin's staging holds in the engine (its tokens, as the server
     logs them)."""
     folder, base, served = server
-    ids = prompts([45, 70], seed=8)
+    ids = prompts([45, 70, 300], seed=8)
     answers = []
     for request in ids:
         status, body = post(f"{base}/v1/completions", {
