@@ -52,26 +52,27 @@ def generate(model: str, cache: str, asked: list[list[int]], new: int,
                            SamplingParams(max_tokens=new, temperature=0, ignore_eos=True),
                            use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    forced = llm.generate([{"prompt_token_ids": p + c} for p, c in
-                           zip(asked, reference or tokens, strict=True)],
+    texts = [p + c for p, c in zip(asked, reference or tokens, strict=True)]
+    forced = llm.generate([{"prompt_token_ids": ids} for ids in texts],
                           SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     nll = [[-o.prompt_logprobs[i][ids[i]].logprob for i in range(len(p), len(ids))]
-           for o, p, ids in zip(forced, asked, [p + c for p, c in
-                                                zip(asked, reference or tokens, strict=True)],
-                                strict=True)]
+           for o, p, ids in zip(forced, asked, texts, strict=True)]
     return {"tokens": tokens, "nll": nll}
 
 
 def row(cache: str, run: dict, reference: dict, new: int) -> dict:
-    diverged = [next((i for i, (a, b) in enumerate(zip(mine, theirs, strict=True)) if a != b),
-                     new) for mine, theirs in zip(run["tokens"], reference["tokens"],
-                                                   strict=True)]
+    import torch
+
+    from kvmix.evaluation.generation import first_divergence, survival
+
+    diverged = first_divergence(torch.tensor(run["tokens"]),
+                                torch.tensor(reference["tokens"])).tolist()
+    alive = survival(diverged, new)
     loss = [m - r for mine, ref in zip(run["nll"], reference["nll"], strict=True)
             for m, r in zip(mine, ref, strict=True)]
     return {"cache": cache, "first_divergence_median": sorted(diverged)[len(diverged) // 2],
             "first_divergence_min": min(diverged),
-            **{f"survival@{t}": sum(d > t for d in diverged) / len(diverged)
-               for t in (128, 512, new - 1)},
+            **{f"survival@{t}": alive[t] for t in (128, 512, new - 1) if t < new},
             "delta_nll": sum(loss) / len(loss), "prompts": len(diverged)}
 
 

@@ -32,8 +32,8 @@ def require_ray(serve: bool = False) -> Any:
 
     parts = ("ray", "ray.serve") if serve else ("ray",)
     if any(importlib.util.find_spec(part) is None for part in parts):  # "ray" checked first
-        raise ValueError(f"--ray needs Ray{' Serve' * serve}, which is not installed: "
-                         f"{RAY_EXTRA}")
+        needed = "Ray Serve" if serve else "Ray"
+        raise ValueError(f"--ray needs {needed}, which is not installed: {RAY_EXTRA}")
     import ray
 
     return ray
