@@ -24,7 +24,11 @@ MODEL_DIR: a float model folder (``kvmix.engines.vllm.scoring.float_folder`` wri
 ``ROWS`` (24), ``PROMPT`` (128) and ``TOKENS`` (256, decode steps: the first 32 are skipped)
 come from the environment, and ``SPREAD`` (0): row i's prompt is ``PROMPT + i · SPREAD // ROWS``
 tokens, so that rows fill and seal their groups in different steps, as requests that came at
-different times do (with equal prompts every row seals in the same step)."""
+different times do (with equal prompts every row seals in the same step).
+
+``OP_PARTS=1`` also splits kvmix's op by part (``kvmix.runtime.kernels.cpu.timings``: setup,
+keys and values of float segments and of packed blocks, softmax, merge, staging; µs a layer,
+summed over the op's threads): its time stamps make the op itself a little slower."""
 
 from __future__ import annotations
 
@@ -43,6 +47,9 @@ ROWS = int(os.environ.get("ROWS", 24))
 PROMPT = int(os.environ.get("PROMPT", 128))
 TOKENS = int(os.environ.get("TOKENS", 256))
 SPREAD = int(os.environ.get("SPREAD", 0))
+OP_PARTS = os.environ.get("OP_PARTS", "0") not in ("", "0")
+if OP_PARTS:
+    os.environ["KVMIX_OP_TIMING"] = "1"  # read when the op loads
 SKIP = 32  # decode steps before the ones counted (warm caches, steady batch)
 PARTS = ("model", "attention", "op", "plan", "vLLM")
 
@@ -72,11 +79,16 @@ class Clock:
         setattr(owner, name, timed)
 
     @contextmanager
-    def step(self):
+    def step(self, op_parts: bool = False):
         self.now.clear()
         start = time.perf_counter()
         yield
         self.now["step"] = time.perf_counter() - start
+        if op_parts:  # the op's parts in this step: µs summed over its calls and threads
+            from kvmix.runtime.kernels import cpu
+
+            for name, spent in cpu.timings().items():
+                self.now[f"op.{name}"] = spent
 
 
 def instrument(clock: Clock, setting: str) -> None:
@@ -135,7 +147,7 @@ def profile(model: str, setting: str) -> dict[str, float]:
         engine.add_request(str(index), prompt, params)
     steps, decodes = [], 0
     while engine.has_unfinished_requests():
-        with clock.step():
+        with clock.step(OP_PARTS and setting not in ("auto", "fp8")):
             engine.step()
         if clock.decode and clock.now["plan"]:
             decodes += 1
@@ -151,6 +163,13 @@ def profile(model: str, setting: str) -> dict[str, float]:
     print(f"{setting:>18} x{ROWS} ({len(steps)} decode steps, context {PROMPT + SKIP}.."
           f"{PROMPT + SPREAD + TOKENS}): " + ", ".join(f"{key} {parts[key]:.1f}" for key in
                                                 (*PARTS, "step")) + " ms", flush=True)
+    split = {key: sum(s[key] for s in steps) / len(steps) for key in steps[0]
+             if key.startswith("op.")}
+    if split:  # µs a layer: a step's sum over its calls (one a layer)
+        calls = split.pop("op.calls")
+        parts.update({key: value / calls for key, value in split.items()})
+        print(f"{setting:>18} op by part, µs a layer (threads summed): " + ", ".join(
+            f"{key[3:]} {value / calls:.1f}" for key, value in split.items()), flush=True)
     print("RESULT " + json.dumps({"setting": setting, "steps": len(steps), **parts}), flush=True)
     return parts
 
@@ -173,7 +192,9 @@ def main(argv: list[str]) -> None:
                               capture_output=True, text=True)
         lines = done.stdout.splitlines()
         rows.append(json.loads(next(x for x in lines if x.startswith("RESULT "))[7:]))
-        print(next(x for x in lines if f" x{ROWS} (" in x), flush=True)
+        for line in lines:
+            if f" x{ROWS} (" in line or " op by part" in line:
+                print(line, flush=True)
     for row in rows:
         row["kvmix"] = row["attention"] + row["op"] + row["plan"]
         row["step_ratio"] = row["step"] / rows[0]["step"]

@@ -118,6 +118,15 @@ def integer() -> bool:
     return available()[0] and torch.ops.kvmix.simd() == "avx512-vnni"
 
 
+def timings() -> dict[str, float]:
+    """``decode_batch``'s time by part since the last read, in µs summed over the op's threads
+    (``calls``: how many; ``wall``: the calls' own time, on the caller's thread), then reset.
+    Counted only where ``KVMIX_OP_TIMING=1`` was set before the op loaded; else all zero."""
+    load()
+    values = torch.ops.kvmix.op_timings().tolist()
+    return dict(zip(torch.ops.kvmix.op_parts().split(","), values, strict=True))
+
+
 def describe() -> str:
     """Which kernels the op runs here, and why: integer dot products where the CPU has AVX-512
     VNNI and VBMI (the build's -march=native enables them), else the portable float kernels."""

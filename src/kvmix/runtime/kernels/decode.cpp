@@ -22,6 +22,7 @@
 //
 // This file holds the op's entry points and their validation; its parts, in decode/:
 //   common.h        shared constants;          vector.h     SIMD helpers, portable fallbacks;
+//   timing.h        the op's time by part (KVMIX_OP_TIMING=1);
 //   rows.h          packed rows -> floats and the float block kernels per width and length;
 //   vnni.h          integer dot products (AVX-512 VNNI + VBMI) and their stand-ins;
 //   problem.h       what a call attends;       task.h       one KV head over a range of units;
@@ -35,6 +36,7 @@
 #endif
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/custom_class.h>
@@ -52,6 +54,7 @@
 #include <vector>
 
 #include "decode/common.h"
+#include "decode/timing.h"
 #include "decode/rows.h"
 #include "decode/vnni.h"
 #include "decode/vector.h"
@@ -300,15 +303,21 @@ Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& opti
       Partial& state = splits > 1 ? partials[t] : own;
       state.max.clear();  // a range without units leaves no partial
       if (hi > lo) {
+        Stopwatch clock;
         task.start(problems[s], h, units[s].data() + lo, hi - lo);
+        clock.lap(START);
         task.run(state);
       }
+      Stopwatch clock;
       if (splits == 1) merge(problems[s], &state, 1, h, o + s * each);
+      clock.lap(MERGE);
     }
   });
+  Stopwatch clock;
   for (int64_t s = 0; splits > 1 && s < S; ++s)
     for (int64_t h = 0; h < H; ++h)
       merge(problems[s], &partials[(s * H + h) * splits], splits, h, o + s * each);
+  clock.lap(MERGE);
   return out;
 }
 
@@ -458,6 +467,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& new_keys,
                     const std::optional<Tensor>& new_values,
                     const std::optional<Tensor>& value_pages) {
+  Stopwatch whole, clock;
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -585,10 +595,15 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
+  clock.lap(SETUP);
   Tensor out = solve(problems, query.options()).squeeze(2);
+  Stopwatch staging;
   if (stage_at.has_value())
     stage(*stage_at, step_k, own_page ? nullptr : step_v, N, slot_keys, slot_values, T, H, D,
           width);
+  staging.lap(STAGE);
+  whole.lap(WALL);
+  if (TIMING) CALLS.fetch_add(1, std::memory_order_relaxed);
   return out;
 }
 
@@ -774,6 +789,8 @@ TORCH_LIBRARY(kvmix, m) {
       .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>,
                        std::vector<Tensor>, Tensor, Tensor, Tensor>());
   m.def("simd() -> str", &simd);
+  m.def("op_timings() -> Tensor", &op_timings);
+  m.def("op_parts() -> str", &op_parts);
   m.def("quantize(Tensor x, int bits, int dim, bool center, bool packed) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("pack(Tensor codes, int bits) -> Tensor");

@@ -24,12 +24,15 @@ void Task::channel_scores(int64_t n, float* out) {
     weights_.resize(RB * D);
     for (int64_t r0 = 0; r0 < P; r0 += RB) {
       float bias[RB], top[RB];
-      key_weights(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
-                  weights_.data(), top, scale_.data());
-      for (int r = 0; r < RB; ++r)
+      const int R = tile(r0);
+      for_rows(R, [&]<int T>() {
+        key_weights<T>(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
+                       weights_.data(), top, scale_.data());
+      });
+      for (int r = 0; r < R; ++r)
         std::fill(block + (r0 + r) * G, block + (r0 + r + 1) * G, bias[r]);
-      integer_weights(weights_.data(), D, D, top);
-      every.ints(rows, stride, D, hi_.data(), lo_.data(), padded_, alpha_, block + r0 * G, G);
+      integer_weights(weights_.data(), D, D, R, top);
+      every.ints(rows, stride, D, hi_.data(), lo_.data(), padded_, R, alpha_, block + r0 * G, G);
     }
   } else {
     base_.resize(D);
@@ -43,7 +46,7 @@ void Task::channel_scores(int64_t n, float* out) {
   }
   for (size_t which = fused_keys_ ? 1 : 0; which < pk.planes.size(); ++which)
     plane(pk.planes[which], plane_queries_[which], n, block);
-  for (int64_t r = 0; r < P; ++r) std::copy(block + r * G, block + r * G + T, out + r * L);
+  for (int64_t r = 0; r < p_->rows; ++r) std::copy(block + r * G, block + r * G + T, out + r * L);
 }
 
 void Task::plane(const Plane& plane, const std::vector<float>& queries, int64_t n, float* block) {
@@ -66,8 +69,9 @@ void Task::plane(const Plane& plane, const std::vector<float>& queries, int64_t 
       for (int64_t i = 0; i < C; ++i) weights_[r * C + i] = q[r * C + i] * factor[i];
     float* dst = block + r0 * G;
     if (plane.ints) {
-      integer_weights(weights_.data(), C, C);
-      plane.ints(rows, stride, C, hi_.data(), lo_.data(), padded_, alpha_, dst, G);
+      const int R = tile(r0);
+      integer_weights(weights_.data(), C, C, R);
+      plane.ints(rows, stride, C, hi_.data(), lo_.data(), padded_, R, alpha_, dst, G);
     } else if (plane.kernel)
       plane.kernel(rows, stride, C, weights_.data(), dst);
     else

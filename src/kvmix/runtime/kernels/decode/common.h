@@ -1,5 +1,5 @@
 // What every part of the op shares: the query rows computed together, the prefetch distance,
-// -inf, and the bytes of a packed row.
+// -inf, the bytes of a packed row, and the dispatch on a tile's real rows.
 #pragma once
 
 namespace {
@@ -10,5 +10,17 @@ constexpr size_t AHEAD = 4;  // blocks ahead of the one computed whose codes are
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 int64_t row_bytes(int64_t n, int bits) { return bits == 3 ? n / 4 + n / 8 : n * bits / 8; }
+
+// pick<R>() for a tile of R = 1..RB real query rows: a model whose query group is 3 (or 6, 9)
+// computes 3 rows, not 3 and a row of zeros.
+template <typename Pick>
+auto for_rows(int64_t rows, Pick pick) -> decltype(pick.template operator()<1>()) {
+  switch (rows) {
+    case 1: return pick.template operator()<1>();
+    case 2: return pick.template operator()<2>();
+    case 3: return pick.template operator()<3>();
+    default: return pick.template operator()<RB>();
+  }
+}
 
 }  // namespace

@@ -20,23 +20,47 @@ const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64
 }
 
 #ifdef __AVX512F__
-// out[r·L + t] = q_r·k_t for RB query rows of D (a multiple of 32) channels over T keys [T, D]:
-// each key read once for the RB rows; per row the sum dot() forms (even and odd 16 channels).
-template <int D>
+// out[r·L + t] = q_r·k_t for R query rows of D (a multiple of 32) channels over T keys [T, D]:
+// each key read once for the R rows; per row the sum dot() forms (even and odd 16 channels).
+template <int D, int R>
 void rows_dot_keys(const float* q, const float* keys, int64_t T, int64_t L, float* out) {
   for (int64_t t = 0; t < T; ++t) {
     const float* k = keys + t * D;
-    __m512 even[RB], odd[RB];
-    for (int r = 0; r < RB; ++r) even[r] = odd[r] = _mm512_setzero_ps();
+    __m512 even[R], odd[R];
+    for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
       const __m512 k0 = _mm512_loadu_ps(k + d), k1 = _mm512_loadu_ps(k + d + 16);
-      for (int r = 0; r < RB; ++r) {
+      for (int r = 0; r < R; ++r) {
         even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), k0, even[r]);
         odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), k1, odd[r]);
       }
     }
-    for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < R; ++r)
       out[r * L + t] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r]));
+  }
+}
+
+// acc[r, d..d+32) += Σ_t w[r·L + t]·v_t[d..d+32) for R rows over T values [T, D], with the R rows'
+// 32 channels in registers over every token.
+template <int R>
+void rows_add_values(const float* weights, int64_t L, const float* values, int64_t T, int64_t D,
+                     float* acc) {
+  for (int64_t d = 0; d < D; d += 32) {
+    __m512 sum[R][2];
+    float* a = acc + d;
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(a + r * D + 16 * k);
+    for (int64_t t = 0; t < T; ++t) {
+      const __m512 v0 = _mm512_loadu_ps(values + t * D + d);
+      const __m512 v1 = _mm512_loadu_ps(values + t * D + d + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_set1_ps(weights[r * L + t]);
+        sum[r][0] = _mm512_fmadd_ps(w, v0, sum[r][0]);
+        sum[r][1] = _mm512_fmadd_ps(w, v1, sum[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int k = 0; k < 2; ++k) _mm512_storeu_ps(a + r * D + 16 * k, sum[r][k]);
   }
 }
 #endif
@@ -45,9 +69,12 @@ void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
   const float* keys = segment_rows(seg, seg.keys, block);
 #ifdef __AVX512F__
-  if (!seg.causal && (D == 64 || D == 128)) {  // every row (padding rows too: zero queries)
-    for (int64_t r0 = 0; r0 < p_->padded; r0 += RB)
-      (D == 64 ? rows_dot_keys<64> : rows_dot_keys<128>)(qrow(r0), keys, T, L, out + r0 * L);
+  if (!seg.causal && (D == 64 || D == 128)) {  // the real rows, RB at a time
+    for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
+      for_rows(tile(r0), [&]<int R>() {
+        (D == 64 ? rows_dot_keys<64, R> : rows_dot_keys<128, R>)(qrow(r0), keys, T, L,
+                                                                 out + r0 * L);
+      });
     return;
   }
 #endif
@@ -64,25 +91,11 @@ void Task::float_values(const FloatSegment& seg, int64_t block, const float* wei
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
   const float* values = segment_rows(seg, seg.values, block);
 #ifdef __AVX512F__
-  if (D % 32 == 0) {  // RB rows × 32 channels in registers over every token
-    for (int64_t r0 = 0; r0 < p_->padded; r0 += RB)
-      for (int64_t d = 0; d < D; d += 32) {
-        __m512 sum[RB][2];
-        float* a = acc + r0 * D + d;
-        for (int r = 0; r < RB; ++r)
-          for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(a + r * D + 16 * k);
-        for (int64_t t = 0; t < T; ++t) {
-          const __m512 v0 = _mm512_loadu_ps(values + t * D + d);
-          const __m512 v1 = _mm512_loadu_ps(values + t * D + d + 16);
-          for (int r = 0; r < RB; ++r) {
-            const __m512 w = _mm512_set1_ps(weights[(r0 + r) * L + t]);
-            sum[r][0] = _mm512_fmadd_ps(w, v0, sum[r][0]);
-            sum[r][1] = _mm512_fmadd_ps(w, v1, sum[r][1]);
-          }
-        }
-        for (int r = 0; r < RB; ++r)
-          for (int k = 0; k < 2; ++k) _mm512_storeu_ps(a + r * D + 16 * k, sum[r][k]);
-      }
+  if (D % 32 == 0) {  // the real rows, RB at a time
+    for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
+      for_rows(tile(r0), [&]<int R>() {
+        rows_add_values<R>(weights + r0 * L, L, values, T, D, acc + r0 * D);
+      });
     return;
   }
 #endif

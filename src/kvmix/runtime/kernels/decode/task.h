@@ -53,13 +53,16 @@ class Task {
 
   // Scores of every unit, one softmax over them all, then the weighted values -> state.
   void run(Partial& state) {
+    Stopwatch clock;
     const Problem& p = *p_;
     const int64_t R = p.rows, P = p.padded, D = p.dim, L = total_;
     const size_t n = size_t(count_);
     scores_.resize(P * std::max<int64_t>(L, 1));  // every unit writes its own scores
+    for (size_t u = 0; u < std::min(n, AHEAD); ++u) prefetch(units_[u], true);
     for (size_t u = 0; u < n; ++u) {
       if (u + AHEAD < n) prefetch(units_[u + AHEAD], true);
       scores(units_[u], &scores_[offsets_[u]]);
+      clock.lap(units_[u].segment >= 0 ? KEYS_FLOAT : KEYS_PACKED);
     }
     state.max.assign(R, NEG_INF);
     state.sum.assign(R, 0.f);
@@ -77,11 +80,16 @@ class Task {
       state.sum[r] = exp_sum(s, L, m);
     }
     std::fill(scores_.begin() + R * L, scores_.end(), 0.f);  // padding rows weigh nothing
+    for (size_t u = 0; u < std::min(n, AHEAD); ++u) prefetch(units_[u], false);
+    clock.lap(SOFTMAX);
     for (size_t u = 0; u < n; ++u) {
       if (u + AHEAD < n) prefetch(units_[u + AHEAD], false);
       values(units_[u], &scores_[offsets_[u]], state.acc.data());
+      const int s = units_[u].segment;
+      clock.lap(s >= 0 && p.segments[s].value_page < 0 ? VALUES_FLOAT : VALUES_PACKED);
     }
     add_value_bias(state.acc.data());
+    clock.lap(VALUES_PACKED);
   }
 
  private:
@@ -93,11 +101,19 @@ class Task {
 
   int64_t page(int64_t n) const { return p_->packed.pages ? p_->packed.pages[n] : n; }
 
-  // The next packed block's key (or value) codes and statistics of this head into the cache
-  // while this one is computed: the pages of a pool are scattered, so the hardware prefetcher
-  // cannot see them coming.
+  // A later unit's key (or value) codes and statistics of this head into the cache while this
+  // one is computed (and a pass's first units before it starts): the pages of a pool are
+  // scattered, so the hardware prefetcher cannot see them coming. A float segment: its rows.
   void prefetch(const Unit& u, bool keys) const {
-    if (u.segment >= 0) return;
+    if (u.segment >= 0) {
+      const FloatSegment& seg = p_->segments[u.segment];
+      if (!keys && seg.value_page >= 0) return;
+      const int64_t at = (u.block * p_->kv_heads + h_) * seg.head_stride;
+      const int64_t size = seg.dtype == at::kFloat ? 4 : 2;
+      ahead(static_cast<const char*>(keys ? seg.keys : seg.values) + at * size,
+            seg.tokens * p_->dim * size);
+      return;
+    }
     const Packed& pk = p_->packed;
     const int64_t n = page(u.block), H = p_->kv_heads, D = p_->dim, G = pk.group;
     if (keys && pk.key_mode == 1) {
@@ -165,14 +181,17 @@ class Task {
   void add_value_bias(float* acc);
   void token_stats(const Stats& st, int64_t at, int64_t first, int64_t T, int64_t J);
 
-  // RB rows of K float weights (`ld` apart; `top`: their largest magnitudes, if known)
-  // -> hi_, lo_ [RB, padded_] and alpha_.
-  void integer_weights(const float* w, int64_t ld, int64_t K, const float* top = nullptr) {
+  // R rows of K float weights (`ld` apart; `top`: their largest magnitudes, if known)
+  // -> hi_, lo_ [R, padded_] and alpha_.
+  void integer_weights(const float* w, int64_t ld, int64_t K, int R, const float* top = nullptr) {
     padded_ = (K + 3) / 4 * 4;
     hi_.resize(RB * padded_);
     lo_.resize(RB * padded_);
-    round_weights(w, ld, K, padded_, hi_.data(), lo_.data(), alpha_, top);
+    round_weights(w, ld, K, padded_, R, hi_.data(), lo_.data(), alpha_, top);
   }
+
+  // The real rows of the tile of RB rows from r0: the rest are padding, never computed.
+  int tile(int64_t r0) const { return int(std::min<int64_t>(RB, p_->rows - r0)); }
 
   const Problem* p_ = nullptr;
   int64_t h_ = 0;

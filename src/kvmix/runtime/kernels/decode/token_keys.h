@@ -59,11 +59,12 @@ void Task::packed_values(int64_t at, int64_t first, int64_t T, const float* p, f
       const float* scale = &scale_[j * T];
       if (ints && pk.value_ints) {  // the integer path: weights, bias and largest weights at once
         float top[RB];
-        value_weights(p + r0 * L, L, scale, &base_[j * T], T, weights_.data(),
+        const int R = tile(r0);
+        value_weights(p + r0 * L, L, scale, &base_[j * T], T, R, weights_.data(),
                       &value_bias_[(r0 * J + j) * 16], J * 16, top);
-        integer_weights(weights_.data(), T, T, top);
-        pk.value_ints(rows + j * stride, J * stride, T, hi_.data(), lo_.data(), padded_, alpha_,
-                      acc + r0 * D + j * gs, D);
+        integer_weights(weights_.data(), T, T, R, top);
+        pk.value_ints(rows + j * stride, J * stride, T, hi_.data(), lo_.data(), padded_, R,
+                      alpha_, acc + r0 * D + j * gs, D);
         continue;
       }
       for (int r = 0; r < RB; ++r) {

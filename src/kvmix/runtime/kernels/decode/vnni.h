@@ -7,7 +7,7 @@ namespace {
 // ---- integer dot products (AVX-512 VNNI and VBMI) ---------------------------------------------
 //
 // Σ_k w[r][k]·code_k[n] over K packed rows (key channels of a block, or tokens of a value group)
-// for RB weight rows at once, N codes per packed row. The float weights of each row are rounded
+// for up to RB weight rows at once, N codes per packed row. The float weights of each row are rounded
 // once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight rounded to a
 // step of 1/32512 of the row's largest (16-bit precision; the only error the integer path adds
 // to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
@@ -24,12 +24,12 @@ inline __mmask16 first(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
 
-// Weights [RB, ld] (the first K of each row) -> two int8 planes [RB, Kp] (zero past K) and α:
+// Weights [R, ld] (the first K of each row) -> two int8 planes [R, Kp] (zero past K) and α:
 // X = round(256·w/α) in [-32512, 32512], hi = round(X / 256), lo = X - 256·hi in [-128, 127].
 // `top`: each row's largest |w| where the caller has it (null: found here).
-void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi, int8_t* lo,
-                   float* alpha, const float* top = nullptr) {
-  for (int r = 0; r < RB; ++r) {
+void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int R, int8_t* hi,
+                   int8_t* lo, float* alpha, const float* top = nullptr) {
+  for (int r = 0; r < R; ++r) {
     const float* row = w + r * ld;
     float largest;
     if (top) {
@@ -55,40 +55,41 @@ void round_weights(const float* w, int64_t ld, int64_t K, int64_t Kp, int8_t* hi
   }
 }
 
-// One pass over a block's key statistics for RB query rows (D % 16 == 0): each row's bias
+// One pass over a block's key statistics for R query rows (D % 16 == 0): each row's bias
 // Σ_c q[c]·(m_c + s_c·off_c), the weights w[r][c] = qm[r][c]·s_c of a plane holding every
 // channel in order (qm: the query times the plane's multipliers) with each row's largest |w|,
 // and the scales as floats (other planes gather theirs). q, qm, w: rows D apart.
+template <int R>
 void key_weights(const at::Half* scale, const at::Half* minimum, const float* offset,
                  const float* q, const float* qm, int64_t D, float* bias, float* w, float* top,
                  float* scales) {
-  __m512 sum[RB], most[RB];
-  for (int r = 0; r < RB; ++r) sum[r] = most[r] = _mm512_setzero_ps();
+  __m512 sum[R], most[R];
+  for (int r = 0; r < R; ++r) sum[r] = most[r] = _mm512_setzero_ps();
   for (int64_t c = 0; c < D; c += 16) {
     const __m512 s =
         _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + c)));
     const __m512 m = _mm512_fmadd_ps(s, _mm512_loadu_ps(offset + c), _mm512_cvtph_ps(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + c))));
     _mm512_storeu_ps(scales + c, s);
-    for (int r = 0; r < RB; ++r) {
+    for (int r = 0; r < R; ++r) {
       sum[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + c), m, sum[r]);
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(qm + r * D + c), s);
       _mm512_storeu_ps(w + r * D + c, x);
       most[r] = _mm512_max_ps(most[r], _mm512_abs_ps(x));
     }
   }
-  for (int r = 0; r < RB; ++r) {
+  for (int r = 0; r < R; ++r) {
     bias[r] = _mm512_reduce_add_ps(sum[r]);
     top[r] = _mm512_reduce_max_ps(most[r]);
   }
 }
 
-// One pass over a value group of a block for RB rows of softmax weights p (rows `ld` apart)
+// One pass over a value group of a block for R rows of softmax weights p (rows `ld` apart)
 // over T tokens: w[r][t] = p[r][t]·s[t] (rows T apart) with each row's largest |w|, and
 // Σ_t p·m added lane by lane (token t into lane t mod 16) to bias[r·bias_ld, +16).
-void value_weights(const float* p, int64_t ld, const float* s, const float* m, int64_t T,
+void value_weights(const float* p, int64_t ld, const float* s, const float* m, int64_t T, int R,
                    float* w, float* bias, int64_t bias_ld, float* top) {
-  for (int r = 0; r < RB; ++r) {
+  for (int r = 0; r < R; ++r) {
     const float* pr = p + r * ld;
     __m512 most = _mm512_setzero_ps(), lanes = _mm512_loadu_ps(bias + r * bias_ld);
     for (int64_t t = 0; t < T; t += 16) {
@@ -185,18 +186,18 @@ inline void code_pair(const uint8_t* rows, int64_t stride, int valid, int m, __m
   }
 }
 
-// out[r·ld + n] += Σ_k w[r][k]·code_k[n] for RB rows, n < N, over K packed rows `stride` bytes
-// apart; weights as round_weights left them ([RB, Kp] int8 planes and α). Two code vectors
-// (32 outputs) at a time: 2 × RB × 2 accumulators.
-template <int N, int BITS>
-void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
+// out[r·ld + n] += Σ_k w[r][k]·code_k[n] for R rows, n < N, over K packed rows `stride` bytes
+// apart; weights as round_weights left them ([R, Kp] int8 planes and α). Two code vectors
+// (32 outputs) at a time: 2 × R × 2 accumulators.
+template <int N, int BITS, int R>
+void int_tile(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
               int64_t Kp, const float* alpha, float* out, int64_t ld) {
   static_assert(N % 32 == 0 || N == 16, "rows of 16 or a multiple of 32 codes");
   for (int m = 0; m < N / 16; m += 2) {
     constexpr int PAIR = N == 16 ? 1 : 2;
-    __m512i acc_hi[PAIR][RB], acc_lo[PAIR][RB];
+    __m512i acc_hi[PAIR][R], acc_lo[PAIR][R];
     for (int i = 0; i < PAIR; ++i)
-      for (int r = 0; r < RB; ++r) acc_hi[i][r] = acc_lo[i][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc_hi[i][r] = acc_lo[i][r] = _mm512_setzero_si512();
     for (int64_t k = 0; k < K; k += 4) {
       const int valid = int(std::min<int64_t>(K - k, 4));
       __m512i codes[2];
@@ -209,7 +210,7 @@ void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
       } else {
         code_pair<N, BITS>(rows + k * stride, stride, valid, m, codes);
       }
-      for (int r = 0; r < RB; ++r) {
+      for (int r = 0; r < R; ++r) {
         int32_t h, l;
         std::memcpy(&h, hi + r * Kp + k, 4);
         std::memcpy(&l, lo + r * Kp + k, 4);
@@ -221,7 +222,7 @@ void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
       }
     }
     for (int i = 0; i < PAIR; ++i)
-      for (int r = 0; r < RB; ++r) {
+      for (int r = 0; r < R; ++r) {
         const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc_lo[i][r]),
                                            _mm512_set1_ps(LO_STEP),
                                            _mm512_cvtepi32_ps(acc_hi[i][r]));
@@ -231,8 +232,15 @@ void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
   }
 }
 
+// int_tile for the R real rows of a tile.
+template <int N, int BITS>
+void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
+              int64_t Kp, int R, const float* alpha, float* out, int64_t ld) {
+  for_rows(R, [&]<int T>() { int_tile<N, BITS, T>(rows, stride, K, hi, lo, Kp, alpha, out, ld); });
+}
+
 using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
-                       const float*, float*, int64_t);
+                       int, const float*, float*, int64_t);
 
 // The integer kernel for rows of n codes (16, 32, 64 or 128), else null (the float kernels).
 IntFn int_for(int64_t n, int bits) {
@@ -242,15 +250,16 @@ IntFn int_for(int64_t n, int bits) {
 }
 #else
 using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
-                       const float*, float*, int64_t);
+                       int, const float*, float*, int64_t);
 IntFn int_for(int64_t, int) { return nullptr; }
 // Never called: without the integer kernels no plane or value group has one.
-void round_weights(const float*, int64_t, int64_t, int64_t, int8_t*, int8_t*, float*,
+void round_weights(const float*, int64_t, int64_t, int64_t, int, int8_t*, int8_t*, float*,
                    const float* = nullptr) {}
+template <int R>
 void key_weights(const at::Half*, const at::Half*, const float*, const float*, const float*,
                  int64_t, float*, float*, float*, float*) {}
-void value_weights(const float*, int64_t, const float*, const float*, int64_t, float*, float*,
-                   int64_t, float*) {}
+void value_weights(const float*, int64_t, const float*, const float*, int64_t, int, float*,
+                   float*, int64_t, float*) {}
 #endif
 
 }  // namespace
