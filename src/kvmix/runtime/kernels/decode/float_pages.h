@@ -19,17 +19,29 @@ const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64
   return widened_.data();
 }
 
+// f(rows): this head's rows [t, D] of one block of a float segment, as they lie (const float*,
+// const at::Half* or const at::BFloat16*).
+template <typename F>
+void with_segment_rows(const FloatSegment& seg, const void* base, int64_t at, F&& f) {
+  switch (seg.dtype) {
+    case at::kHalf: f(static_cast<const at::Half*>(base) + at); break;
+    case at::kBFloat16: f(static_cast<const at::BFloat16*>(base) + at); break;
+    default: f(static_cast<const float*>(base) + at);
+  }
+}
+
 #ifdef __AVX512F__
-// out[r·L + t] = q_r·k_t for R query rows of D (a multiple of 32) channels over T keys [T, D]:
-// each key read once for the R rows; per row the sum dot() forms (even and odd 16 channels).
-template <int D, int R>
-void rows_dot_keys(const float* q, const float* keys, int64_t T, int64_t L, float* out) {
+// out[r·L + t] = q_r·k_t for R query rows of D (a multiple of 32) channels over T keys [T, D]
+// (float32, float16 or bfloat16, widened as read): each key read once for the R rows; per row
+// the sum dot() forms (even and odd 16 channels).
+template <int D, int R, typename E>
+void rows_dot_keys(const float* q, const E* keys, int64_t T, int64_t L, float* out) {
   for (int64_t t = 0; t < T; ++t) {
-    const float* k = keys + t * D;
+    const E* k = keys + t * D;
     __m512 even[R], odd[R];
     for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm512_setzero_ps();
     for (int d = 0; d < D; d += 32) {
-      const __m512 k0 = _mm512_loadu_ps(k + d), k1 = _mm512_loadu_ps(k + d + 16);
+      const __m512 k0 = load16(k + d), k1 = load16(k + d + 16);
       for (int r = 0; r < R; ++r) {
         even[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d), k0, even[r]);
         odd[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * D + d + 16), k1, odd[r]);
@@ -40,10 +52,10 @@ void rows_dot_keys(const float* q, const float* keys, int64_t T, int64_t L, floa
   }
 }
 
-// acc[r, d..d+32) += Σ_t w[r·L + t]·v_t[d..d+32) for R rows over T values [T, D], with the R rows'
-// 32 channels in registers over every token.
-template <int R>
-void rows_add_values(const float* weights, int64_t L, const float* values, int64_t T, int64_t D,
+// acc[r, d..d+32) += Σ_t w[r·L + t]·v_t[d..d+32) for R rows over T values [T, D] (widened as
+// read), with the R rows' 32 channels in registers over every token.
+template <int R, typename E>
+void rows_add_values(const float* weights, int64_t L, const E* values, int64_t T, int64_t D,
                      float* acc) {
   for (int64_t d = 0; d < D; d += 32) {
     __m512 sum[R][2];
@@ -51,8 +63,7 @@ void rows_add_values(const float* weights, int64_t L, const float* values, int64
     for (int r = 0; r < R; ++r)
       for (int k = 0; k < 2; ++k) sum[r][k] = _mm512_loadu_ps(a + r * D + 16 * k);
     for (int64_t t = 0; t < T; ++t) {
-      const __m512 v0 = _mm512_loadu_ps(values + t * D + d);
-      const __m512 v1 = _mm512_loadu_ps(values + t * D + d + 16);
+      const __m512 v0 = load16(values + t * D + d), v1 = load16(values + t * D + d + 16);
       for (int r = 0; r < R; ++r) {
         const __m512 w = _mm512_set1_ps(weights[r * L + t]);
         sum[r][0] = _mm512_fmadd_ps(w, v0, sum[r][0]);
@@ -67,17 +78,20 @@ void rows_add_values(const float* weights, int64_t L, const float* values, int64
 
 void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
-  const float* keys = segment_rows(seg, seg.keys, block);
 #ifdef __AVX512F__
   if (!seg.causal && (D == 64 || D == 128)) {  // the real rows, RB at a time
-    for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
-      for_rows(tile(r0), [&]<int R>() {
-        (D == 64 ? rows_dot_keys<64, R> : rows_dot_keys<128, R>)(qrow(r0), keys, T, L,
-                                                                 out + r0 * L);
-      });
+    const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
+    with_segment_rows(seg, seg.keys, at, [&]<typename E>(const E* keys) {
+      for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
+        for_rows(tile(r0), [&]<int R>() {
+          (D == 64 ? rows_dot_keys<64, R, E> : rows_dot_keys<128, R, E>)(qrow(r0), keys, T, L,
+                                                                         out + r0 * L);
+        });
+    });
     return;
   }
 #endif
+  const float* keys = segment_rows(seg, seg.keys, block);
   for (int64_t r = 0; r < p_->rows; ++r) {
     const int64_t i = r % p_->queries;  // this row's query token
     for (int64_t t = 0; t < T; ++t) {
@@ -89,16 +103,19 @@ void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
 
 void Task::float_values(const FloatSegment& seg, int64_t block, const float* weights, float* acc) {
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
-  const float* values = segment_rows(seg, seg.values, block);
 #ifdef __AVX512F__
   if (D % 32 == 0) {  // the real rows, RB at a time
-    for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
-      for_rows(tile(r0), [&]<int R>() {
-        rows_add_values<R>(weights + r0 * L, L, values, T, D, acc + r0 * D);
-      });
+    const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
+    with_segment_rows(seg, seg.values, at, [&]<typename E>(const E* values) {
+      for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
+        for_rows(tile(r0), [&]<int R>() {
+          rows_add_values<R>(weights + r0 * L, L, values, T, D, acc + r0 * D);
+        });
+    });
     return;
   }
 #endif
+  const float* values = segment_rows(seg, seg.values, block);
   for (int64_t r = 0; r < p_->rows; ++r) {
     float* a = acc + r * D;
     for (int64_t t = 0; t < T; ++t) {

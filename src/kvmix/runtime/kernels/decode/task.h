@@ -69,9 +69,7 @@ class Task {
     state.acc.assign(P * D, 0.f);  // padding rows: written, never read
     for (int64_t r = 0; r < R; ++r) {
       float* s = &scores_[r * L];
-      float m = NEG_INF;
-#pragma omp simd reduction(max : m)
-      for (int64_t t = 0; t < L; ++t) m = m > s[t] ? m : s[t];
+      const float m = largest(s, L);
       state.max[r] = m;
       if (m == NEG_INF) {
         std::fill(s, s + L, 0.f);

@@ -21,6 +21,24 @@ float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The largest of n values (-inf for none): four independent 16-lane maxima, so that the loop is
+// bound by loads, not by one chain of max latencies.
+float largest(const float* x, int64_t n) {
+  float m = NEG_INF;
+  int64_t i = 0;
+#ifdef __AVX512F__
+  __m512 most[4];
+  for (auto& v : most) v = _mm512_set1_ps(NEG_INF);
+  for (; i + 64 <= n; i += 64)
+    for (int k = 0; k < 4; ++k) most[k] = _mm512_max_ps(most[k], _mm512_loadu_ps(x + i + 16 * k));
+  for (; i + 16 <= n; i += 16) most[0] = _mm512_max_ps(most[0], _mm512_loadu_ps(x + i));
+  m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]),
+                                         _mm512_max_ps(most[2], most[3])));
+#endif
+  for (; i < n; ++i) m = m > x[i] ? m : x[i];
+  return m;
+}
+
 // exp(x) = 2^k·p(f) with a degree-7 polynomial on |f| <= ln2/2 (relative error about 1e-7);
 // x < -87 (including -inf, a masked score) gives 0.
 inline float exp_one(float x) {
@@ -92,6 +110,16 @@ float exp_sum(float* x, int64_t n, float shift) {
 }
 
 #ifdef __AVX512F__
+// 16 floats from float32, float16 or bfloat16 elements, widened in the register.
+inline __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+inline __m512 load16(const at::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+inline __m512 load16(const at::BFloat16* x) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x))), 16));
+}
+
 // Group j of 16 tokens' statistics stored token-major ([16, J] floats, 32 % J == 0) -> 16 floats:
 // each pair of vectors (32 / J tokens) through one two-source permutation, blended into place.
 inline __m512 token_lanes(const float* stats, int64_t J, int64_t j) {
