@@ -5,6 +5,7 @@ lengths of sink and residual; plus how backends are chosen and refused."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import functools
 import os
 import subprocess
@@ -369,3 +370,36 @@ def test_float16_segments_are_read_as_their_float32_widening():
     mixed = dataclasses.replace(valid, keys=half.keys)
     with pytest.raises(RuntimeError, match="equal shape and dtype"):
         mixed.run()
+
+
+TIMED = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from helpers import compare_rows, make
+from kvmix.runtime.kernels import cpu
+cache = make("kivi2", group=16)
+compare_rows(cache, 70, seed=1, batch=3)
+cpu.timings()
+compare_rows(cache, 1, seed=2, batch=3)
+print(json.dumps(cpu.timings()))
+"""
+
+
+@pytest.mark.process
+def test_the_op_times_its_parts_only_when_asked():
+    """KVMIX_OP_TIMING=1 before the op loads: a decode step's calls, each part's time (the
+    threads' parts within the threads' share of the calls' wall time); without it, zeros."""
+    env = {**os.environ, "KVMIX_OP_TIMING": "1"}
+    script = TIMED.format(tests=str(Path(__file__).parents[1]))
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    spent = json.loads(result.stdout.splitlines()[-1])
+    assert spent["calls"] >= 1 and spent["wall"] > 0, spent
+    assert all(value >= 0 for value in spent.values()), spent
+    threaded = sum(spent[part] for part in ("start", "keys_float", "keys_packed", "softmax",
+                                            "values_float", "values_packed", "merge"))
+    assert 0 < threaded <= 1.1 * torch.get_num_threads() * spent["wall"], spent
+    assert spent["setup"] + spent["stage"] <= spent["wall"], spent
+    compare_rows(make("kivi2", group=16), 20, seed=1, batch=3)  # here: not asked
+    assert set(cpu.timings().values()) == {0.0}

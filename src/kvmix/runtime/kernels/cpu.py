@@ -119,7 +119,7 @@ def integer() -> bool:
 
 
 def timings() -> dict[str, float]:
-    """``decode_batch``'s time by part since the last read, in µs summed over the op's threads
+    """The op's time by part (``decode`` and ``decode_batch``) since the last read, in µs summed over the op's threads
     (``calls``: how many; ``wall``: the calls' own time, on the caller's thread), then reset.
     Counted only where ``KVMIX_OP_TIMING=1`` was set before the op loaded; else all zero."""
     load()

@@ -325,6 +325,7 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
               at::TensorList float_values, int64_t causal_last, int64_t group,
               at::IntArrayRef lengths, const Planes& planes, const Groups& token_keys,
               const Groups& value_groups) {
+  Stopwatch whole, clock;
   check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [Hq, q, D] float32");
   check(float_keys.size() == float_values.size() && !float_keys.empty(),
         "float keys and values must pair up");
@@ -354,7 +355,11 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
       check(length >= 0 && length <= group, "each block holds 0 to group tokens");
     p.packed.lengths = lengths.data();
   }
-  return solve({p}, query.options())[0];
+  clock.lap(SETUP);
+  Tensor out = solve({p}, query.options())[0];
+  whole.lap(WALL);
+  if (TIMING) CALLS.fetch_add(1, std::memory_order_relaxed);
+  return out;
 }
 
 // The step's tokens [1, H, N, D] (`keys`/`values` of the step) into the slot arena [1, H, T, D]

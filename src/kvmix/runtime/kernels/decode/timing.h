@@ -57,8 +57,8 @@ double ticks_per_us() {
   return rate;
 }
 
-// kvmix::op_timings: [calls, then each part's µs summed over threads] since the last read
-// (zeros when timing is off), and the counters reset.
+// kvmix::op_timings: [calls (of decode and decode_batch), then each part's µs summed over
+// threads] since the last read (zeros when timing is off), and the counters reset.
 at::Tensor op_timings() {
   at::Tensor out = at::zeros({PARTS + 1}, at::kDouble);
   double* o = out.data_ptr<double>();

@@ -236,7 +236,9 @@ void int_tile(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
 template <int N, int BITS>
 void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
               int64_t Kp, int R, const float* alpha, float* out, int64_t ld) {
-  for_rows(R, [&]<int T>() { int_tile<N, BITS, T>(rows, stride, K, hi, lo, Kp, alpha, out, ld); });
+  for_rows(R, [&]<int T>() {
+    int_tile<N, BITS, T>(rows, stride, K, hi, lo, Kp, alpha, out, ld);
+  });
 }
 
 using IntFn = void (*)(const uint8_t*, int64_t, int64_t, const int8_t*, const int8_t*, int64_t,
