@@ -5,8 +5,8 @@ lengths of sink and residual; plus how backends are chosen and refused."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import functools
+import json
 import os
 import subprocess
 import sys

@@ -119,9 +119,10 @@ def integer() -> bool:
 
 
 def timings() -> dict[str, float]:
-    """The op's time by part (``decode`` and ``decode_batch``) since the last read, in µs summed over the op's threads
-    (``calls``: how many; ``wall``: the calls' own time, on the caller's thread), then reset.
-    Counted only where ``KVMIX_OP_TIMING=1`` was set before the op loaded; else all zero."""
+    """The op's time by part (``decode`` and ``decode_batch``) since the last read, in µs
+    summed over the op's threads (``calls``: how many; ``wall``: the calls' own time, on the
+    caller's thread), then reset. Counted only where ``KVMIX_OP_TIMING=1`` was set before the
+    op loaded; else all zero."""
     load()
     values = torch.ops.kvmix.op_timings().tolist()
     return dict(zip(torch.ops.kvmix.op_parts().split(","), values, strict=True))

@@ -7,8 +7,8 @@ namespace {
 // ---- integer dot products (AVX-512 VNNI and VBMI) ---------------------------------------------
 //
 // Σ_k w[r][k]·code_k[n] over K packed rows (key channels of a block, or tokens of a value group)
-// for up to RB weight rows at once, N codes per packed row. The float weights of each row are rounded
-// once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight rounded to a
+// for up to RB weight rows at once, N codes per packed row. The float weights of each row are
+// rounded once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight rounded to a
 // step of 1/32512 of the row's largest (16-bit precision; the only error the integer path adds
 // to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
 // 4 products, so a code vector holds, for 16 consecutive outputs n, the codes of 4 rows (one
