@@ -8,9 +8,9 @@ namespace {
 //
 // Σ_k w[r][k]·code_k[n] over K packed rows (key channels of a block, or tokens of a value group)
 // for up to RB weight rows at once, N codes per packed row. The float weights of each row are
-// rounded once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight rounded to a
-// step of 1/32512 of the row's largest (16-bit precision; the only error the integer path adds
-// to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
+// rounded once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight
+// rounded to a step of 1/32512 of the row's largest (16-bit precision; the only error the
+// integer path adds to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
 // 4 products, so a code vector holds, for 16 consecutive outputs n, the codes of 4 rows (one
 // byte each). It is built from the packed rows with one byte permutation (vpermb) and a shift
 // and mask per lane: code n of a row lies in byte n mod W at shift (n div W)·BITS.
