@@ -10,9 +10,9 @@ namespace {
 // for up to RB weight rows at once, N codes per packed row. The float weights of each row are
 // rounded once to two int8 planes, w ≈ α·(hi + lo/256) with α = max|w|/127: each weight
 // rounded to a step of 1/32512 of the row's largest (16-bit precision; the only error the
-// integer path adds to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd: a 32-bit lane sums
-// 4 products, so a code vector holds, for 16 consecutive outputs n, the codes of 4 rows (one
-// byte each). It is built from the packed rows with one byte permutation (vpermb) and a shift
+// integer path adds to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd:
+// a 32-bit lane sums 4 products, so a code vector holds, for 16 consecutive outputs n, the
+// codes of 4 packed rows (one byte each). It is built from the packed rows with one byte permutation (vpermb) and a shift
 // and mask per lane: code n of a row lies in byte n mod W at shift (n div W)·BITS.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KVMIX_VNNI 1
