@@ -287,6 +287,36 @@ def test_the_batched_op_refuses_a_table_outside_the_pool(built):
                                          skip=skip)
 
 
+def test_the_batched_op_reads_rows_apart_and_writes_into_out(built):
+    """A query whose rows lie apart (a view of a fused qkv, as vLLM's) gives the contiguous
+    query's output, exactly, and ``out=`` receives it in place; an ``out`` of the wrong size or
+    dtype, and a query whose heads are not contiguous, are refused by name."""
+    from helpers import feed
+
+    from kvmix.runtime.kernels import batch
+
+    cache = make("kivi2", backend="cpu")
+    feed(cache, 40, batch=2)
+    store = cache.layers[0].store
+    table = store.steps.table(store)
+    fused = torch.randn(2, HQ + 2 * H, D)  # [S, Hq + 2H, D]: rows (Hq + 2H)·D apart
+    query = fused[:, :HQ]
+    pool = cpu._pool_arguments(batch.pool_view(store))
+    slots = [store.keys.float().contiguous(), store.values.float().contiguous()]
+    args = [D**-0.5, *slots, torch.tensor(store.float_spans()), cache.method.group,
+            table.pages, table.held, table.counts, *pool]
+    expected = torch.ops.kvmix.decode_batch(query.contiguous(), *args)
+    assert torch.equal(torch.ops.kvmix.decode_batch(query, *args), expected)
+    out = torch.full((2, HQ, D), float("nan"))
+    assert torch.ops.kvmix.decode_batch(query, *args, out=out).numel() == 0
+    assert torch.equal(out, expected)
+    for bad in (torch.empty(2, HQ, D - 1), torch.empty(2, HQ, D, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="out must be contiguous float32"):
+            torch.ops.kvmix.decode_batch(query, *args, out=bad)
+    with pytest.raises(RuntimeError, match="each row's heads contiguous"):
+        torch.ops.kvmix.decode_batch(query.transpose(0, 1).contiguous().transpose(0, 1), *args)
+
+
 def test_the_op_is_dispatched_without_torch_function_handling(built):
     """``cpu.call`` runs the op with ``__torch_function__`` handling off (its probe of each
     TorchScript argument raises and catches a C++ exception): a mode that sees every call

@@ -192,18 +192,24 @@ class LayerCache:
                 self._reference(rows, k, token, query, tokens, scale, output)
             return
         pool = self._pool_view(plan)
-        queries = query if rows.every_token else query[rows.tokens]
-        queries = queries.float().contiguous()  # [K, Hq, D]
+        queries = query if rows.every_token else query[rows.tokens]  # [K, Hq, D]
         if self.kernels == "triton":
+            queries = queries.float().contiguous()
             table = Table(rows.table, rows.held, rows.counts, rows.table.shape[1])
             out = gpu.decode_pages(pool, table, queries, scale, self.method.group,
                                    (self.staging.keys, self.staging.values, rows.floats),
                                    step=(tokens[0:1], tokens[1:2]))
         else:
             keys, values, named = self._cpu_floats(plan, tokens)
-            out = cpu.call("decode_batch", queries, scale, keys, values, rows.floats,
-                           self.method.group, rows.table, rows.held, rows.counts,
+            in_place = rows.every_token and output.dtype == torch.float32 \
+                and output.is_contiguous()
+            if in_place:
+                named["out"] = output  # the op writes vLLM's output: no copy
+            out = cpu.call("decode_batch", cpu.query_rows(queries), scale, keys, values,
+                           rows.floats, self.method.group, rows.table, rows.held, rows.counts,
                            *batch.arguments(pool, "cpu", cpu.built_arguments), **named)
+            if in_place:
+                return
         if rows.every_token:
             output.copy_(out)
         else:

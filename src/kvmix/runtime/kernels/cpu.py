@@ -169,7 +169,7 @@ def attend_batch(store: BatchStore, query: torch.Tensor, scaling: float) -> torc
     """A decode step: query [B, Hq, 1, D] of each sequence's new token, already written to its
     slot, over everything the sequence holds and sees -> [B, Hq, 1, D]."""
     table, step = store.steps.table(store), store.step
-    out = call("decode_batch", _float32(query[:, :, 0]), scaling, store.keys, store.values,
+    out = call("decode_batch", query_rows(query[:, :, 0]), scaling, store.keys, store.values,
                step.spans, store.method.group, table.pages, table.held, table.counts,
                *_pool_arguments(batch.pool_view(store)),
                skip=step.skips if store.window is not None else None)
@@ -260,6 +260,14 @@ def op_layouts(layouts: list) -> list:
 def _segment(x: torch.Tensor) -> torch.Tensor:
     """A float segment as the op reads it: float16 slots as they are, anything else float32."""
     return x.contiguous() if x.dtype in SEGMENT_DTYPES else x.float().contiguous()
+
+
+def query_rows(query: torch.Tensor) -> torch.Tensor:
+    """query [S, Hq, D] as ``decode_batch`` reads it: float32, each row's heads contiguous; its
+    rows may lie apart (vLLM's query is a view of its fused qkv: no copy)."""
+    query = query.float()
+    D = query.shape[-1]
+    return query if query.stride(-1) == 1 and query.stride(-2) == D else query.contiguous()
 
 
 def _float32(x: torch.Tensor) -> torch.Tensor:

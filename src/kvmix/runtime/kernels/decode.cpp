@@ -273,9 +273,9 @@ void merge(const Problem& p, const Partial* parts, int64_t splits, int64_t h, fl
 
 // Every sequence's tasks — (sequence, KV head, contiguous range of units), enough ranges to
 // keep every thread busy — claimed one at a time by each thread (rows differ in length), then
-// a log-sum-exp merge per sequence -> out [S, Hq, q, D]. A task that is its head's only range
-// writes its rows itself, on its thread.
-Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& options) {
+// a log-sum-exp merge per sequence -> o [S, Hq, q, D] (float32, contiguous). A task that is its
+// head's only range writes its rows itself, on its thread.
+void solve(const std::vector<Problem>& problems, float* o) {
   const int64_t S = int64_t(problems.size());
   const Problem& first = problems[0];
   const int64_t H = first.kv_heads, D = first.dim;
@@ -288,8 +288,6 @@ Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& opti
   const int64_t threads = at::get_num_threads(), tasks = S * H;
   const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(most, (2 * threads + tasks - 1) /
                                                                           tasks));
-  Tensor out = at::empty({S, first.heads, first.queries, D}, options);
-  float* o = out.data_ptr<float>();
   const int64_t each = first.heads * first.queries * D;  // one sequence's output
   std::vector<Partial> partials(splits > 1 ? tasks * splits : 0);
   std::atomic<int64_t> next{0};
@@ -318,7 +316,6 @@ Tensor solve(const std::vector<Problem>& problems, const at::TensorOptions& opti
     for (int64_t h = 0; h < H; ++h)
       merge(problems[s], &partials[(s * H + h) * splits], splits, h, o + s * each);
   clock.lap(MERGE);
-  return out;
 }
 
 Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
@@ -356,7 +353,8 @@ Tensor decode(const Tensor& query, double scale, at::TensorList float_keys,
     p.packed.lengths = lengths.data();
   }
   clock.lap(SETUP);
-  Tensor out = solve({p}, query.options())[0];
+  Tensor out = at::empty({p.heads, p.queries, p.dim}, query.options());
+  solve({p}, out.data_ptr<float>());
   whole.lap(WALL);
   if (TIMING) CALLS.fetch_add(1, std::memory_order_relaxed);
   return out;
@@ -458,7 +456,10 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
 // H, ...]. With `value_pages` [S] (packed pools only) the values of a row's two spans are not
 // floats but the first tokens of its page there, packed per token (the plugin's values="token";
 // the slots then hold keys only: the slot values are not read, and staging writes keys only;
-// kvmix::put_values puts the step's values there first).
+// kvmix::put_values puts the step's values there first). The query's rows may lie apart (a
+// view of vLLM's fused qkv: each row's heads contiguous). The output [S, Hq, D] float32 is
+// returned, or written into `out` where it is given (vLLM's output: no allocation and no copy;
+// an empty tensor is returned).
 Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const Tensor& slot_values, const Tensor& spans, int64_t group,
                     const Tensor& pages, const Tensor& held, const Tensor& counts,
@@ -471,12 +472,18 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& stage_at,
                     const std::optional<Tensor>& new_keys,
                     const std::optional<Tensor>& new_values,
-                    const std::optional<Tensor>& value_pages) {
+                    const std::optional<Tensor>& value_pages,
+                    const std::optional<Tensor>& into) {
   Stopwatch whole, clock;
-  check(query.dim() == 3 && query.scalar_type() == at::kFloat, "query must be [S, Hq, D] float32");
+  check(query.dim() == 3 && query.scalar_type() == at::kFloat && query.device().is_cpu() &&
+            query.stride(2) == 1 && query.stride(1) == query.size(2),
+        "query must be [S, Hq, D] float32 on the CPU, each row's heads contiguous");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
   check(S > 0, "the batch is empty");
+  check(!into || (into->scalar_type() == at::kFloat && into->is_contiguous() &&
+                  into->device().is_cpu() && into->numel() == S * query.size(1) * D),
+        "out must be contiguous float32 on the CPU, of the query's [S, Hq, D] elements");
   check(slot_keys.dim() == 4, "slots must be [S or 1, H, T, D]");
   check(slot_keys.dim() == 4 && (slot_keys.size(0) == S || slot_keys.size(0) == 1) &&
             slot_keys.size(3) == D &&
@@ -550,7 +557,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   std::vector<Problem> problems(S);
   for (int64_t s = 0; s < S; ++s) {
     Problem& p = problems[s];
-    set_heads(p, query.size(1), H, 1, D, data<float>(query, "query") + s * query.size(1) * D,
+    set_heads(p, query.size(1), H, 1, D, query.const_data_ptr<float>() + s * query.stride(0),
               scale);
     for (int64_t which = 0, first = 0; which < 2; ++which) {
       const int64_t start = span[s * 4 + 2 * which], length = span[s * 4 + 2 * which + 1];
@@ -600,8 +607,10 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
     }
     if (p.packed.key_offset && (*planes)->offset.size(0) == S) p.packed.key_offset += s * H * D;
   }
+  Tensor out = into ? at::empty({0}, query.options()) : at::empty({S, query.size(1), D},
+                                                                 query.options());
   clock.lap(SETUP);
-  Tensor out = solve(problems, query.options()).squeeze(2);
+  solve(problems, into ? into->data_ptr<float>() : out.data_ptr<float>());
   Stopwatch staging;
   if (stage_at.has_value())
     stage(*stage_at, step_k, own_page ? nullptr : step_v, N, slot_keys, slot_values, T, H, D,
@@ -818,7 +827,8 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor? step_keys=None, Tensor? step_values=None, Tensor? stage_at=None, "
       // value_pages: the rows' own values from pages (the slots then hold keys only: slot
       // values are neither read nor written)
-      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None) -> Tensor");
+      "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
+      "Tensor(d!)? out=None) -> Tensor");
   m.def("put_values(Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) minimum, Tensor values, "
         "ScalarType staging, Tensor value_at, int bits, int value_group, int group) -> ()");
 }
