@@ -430,16 +430,42 @@ void put_values(const Tensor& codes, const Tensor& scale, const Tensor& minimum,
   }
 }
 
-// The step's new keys and values [N, H, D] (any float dtype and strides) -> [2, 1, H, N, D] in
-// the slots' dtype (`options`), rounded by torch's own copy, as the plugin would lay them out.
+// f(T*) with T the C++ type of a float32, float16 or bfloat16 tensor's elements.
+template <typename F>
+void with_float_type(at::ScalarType type, F&& f) {
+  switch (type) {
+    case at::kFloat: f(static_cast<float*>(nullptr)); break;
+    case at::kHalf: f(static_cast<at::Half*>(nullptr)); break;
+    case at::kBFloat16: f(static_cast<at::BFloat16*>(nullptr)); break;
+    default: check(false, "float32, float16 or bfloat16 tensors expected");
+  }
+}
+
+// The step's new keys and values [N, H, D] (float32, float16 or bfloat16, any strides) ->
+// [2, 1, H, N, D] in the slots' dtype (`options`), each element rounded to nearest even as
+// torch's copy rounds it, as the plugin would lay them out.
 Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
                const at::TensorOptions& options) {
   check(keys.dim() == 3 && keys.size(1) == H && keys.size(2) == D &&
-            values.sizes() == keys.sizes(),
-        "new keys and values must be [N, H, D]");
-  Tensor laid = at::empty({2, 1, H, keys.size(0), D}, options);
-  laid.select(0, 0).select(0, 0).copy_(keys.transpose(0, 1));
-  laid.select(0, 1).select(0, 0).copy_(values.transpose(0, 1));
+            values.sizes() == keys.sizes() && keys.device().is_cpu() &&
+            values.device().is_cpu(),
+        "new keys and values must be [N, H, D] CPU tensors");
+  const int64_t N = keys.size(0);
+  Tensor laid = at::empty({2, 1, H, N, D}, options);
+  for (int i = 0; i < 2; ++i) {
+    const Tensor& x = i == 0 ? keys : values;
+    with_float_type(options.dtype().toScalarType(), [&]<typename O>(O*) {
+      with_float_type(x.scalar_type(), [&]<typename M>(M*) {
+        const M* from = x.const_data_ptr<M>();
+        O* to = laid.data_ptr<O>() + i * H * N * D;
+        const int64_t sn = x.stride(0), sh = x.stride(1), sd = x.stride(2);
+        for (int64_t h = 0; h < H; ++h)
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t d = 0; d < D; ++d)
+              to[(h * N + n) * D + d] = O(float(from[n * sn + h * sh + d * sd]));
+      });
+    });
+  }
   return laid;
 }
 
@@ -619,17 +645,6 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   whole.lap(WALL);
   if (TIMING) CALLS.fetch_add(1, std::memory_order_relaxed);
   return out;
-}
-
-// f(T*) with T the C++ type of a float32, float16 or bfloat16 tensor's elements.
-template <typename F>
-void with_float_type(at::ScalarType type, F&& f) {
-  switch (type) {
-    case at::kFloat: f(static_cast<float*>(nullptr)); break;
-    case at::kHalf: f(static_cast<at::Half*>(nullptr)); break;
-    case at::kBFloat16: f(static_cast<at::BFloat16*>(nullptr)); break;
-    default: check(false, "float32, float16 or bfloat16 tensors expected");
-  }
 }
 
 // kvmix::seal_tokens: the tokens of the E groups a vLLM step seals -> [k, E, H, G, D] in `dtype`
