@@ -177,6 +177,10 @@ def profile(model: str, setting: str) -> dict[str, float]:
 COLUMNS = {"setting": "setting", "model": "model ms", "attention": "attention ms (less op)",
            "op": "op ms", "plan": "plan ms", "vLLM": "vLLM ms", "step": "step ms",
            "kvmix": "attention+op+plan ms", "step_ratio": "step / first's"}
+OP_COLUMNS = {"setting": "setting", "op": "op ms a step", **{
+    f"op.{part}": f"{part} µs" for part in ("setup", "start", "keys_float", "keys_packed",
+                                           "softmax", "values_float", "values_packed", "merge",
+                                           "stage", "wall")}}
 
 
 def main(argv: list[str]) -> None:
@@ -205,10 +209,14 @@ def main(argv: list[str]) -> None:
         prompts = f"{PROMPT}" + (f" to {PROMPT + (ROWS - 1) * SPREAD // ROWS}" if SPREAD else "")
         title = (f"A decode step inside vLLM's offline engine, ms · {ROWS} rows of {prompts} + "
                  f"{TOKENS} tokens, every row running")
+        if OP_PARTS:
+            title = (f"kvmix's op by part inside vLLM, µs a layer (the parts summed over the op's "
+                     f"threads; wall: the call) · {ROWS} rows of {prompts} + {TOKENS} tokens")
         report.write_results(folder, "vllm_step_profile",
                              {"rows": ROWS, "prompt": PROMPT, "spread": SPREAD, "tokens": TOKENS,
                               "skip": SKIP,
-                              "model": model, "settings": settings}, rows, (title, COLUMNS))
+                              "op_parts": OP_PARTS, "model": model, "settings": settings}, rows,
+                             (title, OP_COLUMNS if OP_PARTS else COLUMNS))
 
 
 if __name__ == "__main__":
