@@ -433,3 +433,23 @@ def test_the_op_times_its_parts_only_when_asked():
     assert spent["setup"] + spent["stage"] <= spent["wall"], spent
     compare_rows(make("kivi2", group=16), 20, seed=1, batch=3)  # here: not asked
     assert set(cpu.timings().values()) == {0.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_op_lays_new_tokens_out_rounded_as_torch_rounds_them(built, dtype):
+    """New keys and values [N, H, D] (a strided float32 view, as vLLM hands them) staged by the
+    op hold exactly torch's own rounding of them to the staging dtype, and the row reads them."""
+    N, T = 5, 16
+    fused = torch.randn(N, 3 * H, D) * 1000  # values float16 and bfloat16 must round
+    keys, values = fused[:, :H], fused[:, H : 2 * H]
+    slots = [torch.zeros(1, H, T, D, dtype=dtype) for _ in range(2)]
+    spans = torch.tensor([[0, 0, 0, N]])  # nothing staged; the row's N new tokens
+    empty = torch.zeros(1, 1, dtype=torch.long)
+    out = torch.ops.kvmix.decode_batch(
+        torch.randn(1, HQ, D), D**-0.5, *slots, spans, 16, empty, empty,
+        torch.zeros(1, dtype=torch.long), None, None, None, None, None,
+        new_keys=keys, new_values=values, stage_at=torch.arange(N) + 3)
+    assert out.isfinite().all()
+    for slot, x in zip(slots, (keys, values), strict=True):
+        assert torch.equal(slot[0, :, 3 : 3 + N], x.transpose(0, 1).to(dtype))
+        assert not slot[0, :, :3].any() and not slot[0, :, 3 + N :].any()

@@ -51,6 +51,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "decode/common.h"
@@ -460,9 +461,18 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
         O* to = laid.data_ptr<O>() + i * H * N * D;
         const int64_t sn = x.stride(0), sh = x.stride(1), sd = x.stride(2);
         for (int64_t h = 0; h < H; ++h)
-          for (int64_t n = 0; n < N; ++n)
-            for (int64_t d = 0; d < D; ++d)
-              to[(h * N + n) * D + d] = O(float(from[n * sn + h * sh + d * sd]));
+          for (int64_t n = 0; n < N; ++n) {
+            const M* row = from + n * sn + h * sh;
+            O* into = to + (h * N + n) * D;
+            int64_t d = 0;
+#ifdef __AVX512F__
+            if constexpr (std::is_same_v<M, float> && std::is_same_v<O, at::Half>)
+              for (; sd == 1 && d + 16 <= D; d += 16)  // F16C: rounds to nearest even
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(into + d), _mm512_cvtps_ph(
+                    _mm512_loadu_ps(row + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+            for (; d < D; ++d) into[d] = O(float(row[d * sd]));
+          }
       });
     });
   }
