@@ -3,12 +3,22 @@
 // kvmix::op_timings() as microseconds.
 #pragma once
 
-#include <x86intrin.h>
-
 #include <chrono>
 #include <cstdlib>
+#if defined(__x86_64__) || defined(__i386__)
+#include <x86intrin.h>
+#endif
 
 namespace {
+
+// The time-stamp counter where the CPU has one, else the steady clock's nanoseconds.
+inline uint64_t ticks() {
+#if defined(__x86_64__) || defined(__i386__)
+  return __rdtsc();
+#else
+  return uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+#endif
+}
 
 // setup: validation and the rows' problems, before the threads start; start: a task's query
 // and plane weights; keys_float / keys_packed: scores of float segments and packed blocks;
@@ -32,10 +42,10 @@ std::atomic<uint64_t> CALLS{0};
 // part when timing is on.
 class Stopwatch {
  public:
-  Stopwatch() : last_(TIMING ? __rdtsc() : 0) {}
+  Stopwatch() : last_(TIMING ? ticks() : 0) {}
   void lap(Part part) {
     if (!TIMING) return;
-    const uint64_t now = __rdtsc();
+    const uint64_t now = ticks();
     SPENT[part].fetch_add(now - last_, std::memory_order_relaxed);
     last_ = now;
   }
@@ -48,11 +58,11 @@ class Stopwatch {
 double ticks_per_us() {
   static const double rate = [] {
     const auto t0 = std::chrono::steady_clock::now();
-    const uint64_t c0 = __rdtsc();
+    const uint64_t c0 = ticks();
     while (std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(10)) {}
     const double us = std::chrono::duration<double, std::micro>(
         std::chrono::steady_clock::now() - t0).count();
-    return double(__rdtsc() - c0) / us;
+    return double(ticks() - c0) / us;
   }();
   return rate;
 }
