@@ -39,5 +39,6 @@ def test_production_shapes_match_the_reference(method):
 def test_every_query_group_matches_the_reference(method, group):
     """The op computes a KV head's query rows in tiles of at most four, each tile only its real
     rows (a group of 3 is one tile of 3; 5 is 4 + 1; 6 is 4 + 2): every tile size, in the
-    integer path, the float slots and the values, within the stated tolerance."""
+    integer path (the float kernels where the CPU lacks it), the float slots and the values,
+    within the stated tolerance."""
     compare_production(method, "cpu", INTEGER_TOLERANCE, steps=6, heads=(2 * group, 2))

@@ -467,7 +467,7 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
             int64_t d = 0;
 #ifdef __AVX512F__
             if constexpr (std::is_same_v<M, float> && std::is_same_v<O, at::Half>)
-              for (; sd == 1 && d + 16 <= D; d += 16)  // F16C: rounds to nearest even
+              for (; sd == 1 && d + 16 <= D; d += 16)  // vcvtps2ph: nearest even
                 _mm256_storeu_si256(reinterpret_cast<__m256i*>(into + d), _mm512_cvtps_ph(
                     _mm512_loadu_ps(row + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 #endif
@@ -512,7 +512,7 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
                     const std::optional<Tensor>& into) {
   Stopwatch whole, clock;
   check(query.dim() == 3 && query.scalar_type() == at::kFloat && query.device().is_cpu() &&
-            query.stride(2) == 1 && query.stride(1) == query.size(2),
+            query.stride(2) == 1 && (query.size(1) == 1 || query.stride(1) == query.size(2)),
         "query must be [S, Hq, D] float32 on the CPU, each row's heads contiguous");
   const int64_t S = query.size(0), H = slot_keys.size(1), T = slot_keys.size(2);
   const int64_t D = query.size(2);
@@ -540,8 +540,8 @@ Tensor decode_batch(const Tensor& query, double scale, const Tensor& slot_keys,
   const char* keys = static_cast<const char*>(elements(slot_keys, "slot keys"));
   const char* values = static_cast<const char*>(elements(slot_values, "slot values"));
   // the second span in the step's own tokens [1, H, N, D] where they are given (or laid out
-  // here from new keys and values [N, H, D], rounded to the slots' dtype by torch's copy, as
-  // the caller would), else in the slots
+  // here from new keys and values [N, H, D], rounded to the slots' dtype as torch's copy
+  // rounds, as the caller would), else in the slots
   std::optional<Tensor> step_keys = given_step_keys, step_values = given_step_values;
   check(new_keys.has_value() == new_values.has_value() && !(new_keys && step_keys),
         "new keys and values pair up, and replace step keys and values");

@@ -25,8 +25,8 @@ void Task::channel_scores(int64_t n, float* out) {
     for (int64_t r0 = 0; r0 < P; r0 += RB) {
       float bias[RB], top[RB];
       const int R = tile(r0);
-      for_rows(R, [&]<int T>() {
-        key_weights<T>(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
+      for_rows(R, [&]<int Rows>() {
+        key_weights<Rows>(scale, minimum, offset, qrow(r0), &plane_queries_[0][r0 * D], D, bias,
                        weights_.data(), top, scale_.data());
       });
       for (int r = 0; r < R; ++r)

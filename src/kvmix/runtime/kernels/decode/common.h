@@ -11,8 +11,8 @@ constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
 int64_t row_bytes(int64_t n, int bits) { return bits == 3 ? n / 4 + n / 8 : n * bits / 8; }
 
-// pick<R>() for a tile of R = 1..RB real query rows: a model whose query group is 3 (or 6, 9)
-// computes 3 rows, not 3 and a row of zeros.
+// pick<R>() for a tile of R = 1..RB real query rows: the last tile of a KV head's rows computes
+// only its real ones (a query group of 3 is one tile of 3, not 3 and a row of zeros; 6 is 4 + 2).
 template <typename Pick>
 auto for_rows(int64_t rows, Pick pick) -> decltype(pick.template operator()<1>()) {
   switch (rows) {

@@ -66,7 +66,7 @@ class Task {
     }
     state.max.assign(R, NEG_INF);
     state.sum.assign(R, 0.f);
-    state.acc.assign(P * D, 0.f);  // padding rows: written, never read
+    state.acc.assign(P * D, 0.f);  // padding rows: never read
     for (int64_t r = 0; r < R; ++r) {
       float* s = &scores_[r * L];
       const float m = largest(s, L);
@@ -188,7 +188,8 @@ class Task {
     round_weights(w, ld, K, padded_, R, hi_.data(), lo_.data(), alpha_, top);
   }
 
-  // The real rows of the tile of RB rows from r0: the rest are padding, never computed.
+  // The real rows of the tile of RB rows from r0 (the integer kernels and the AVX-512 float
+  // segments compute only these; the portable float kernels compute all RB, padding too).
   int tile(int64_t r0) const { return int(std::min<int64_t>(RB, p_->rows - r0)); }
 
   const Problem* p_ = nullptr;

@@ -46,7 +46,8 @@ class Stopwatch {
   void lap(Part part) {
     if (!TIMING) return;
     const uint64_t now = ticks();
-    SPENT[part].fetch_add(now - last_, std::memory_order_relaxed);
+    if (now > last_)  // a thread moved to a core whose counter is behind: not counted
+      SPENT[part].fetch_add(now - last_, std::memory_order_relaxed);
     last_ = now;
   }
 
@@ -71,6 +72,7 @@ double ticks_per_us() {
 // threads] since the last read (zeros when timing is off), and the counters reset.
 at::Tensor op_timings() {
   at::Tensor out = at::zeros({PARTS + 1}, at::kDouble);
+  if (!TIMING) return out;
   double* o = out.data_ptr<double>();
   o[0] = double(CALLS.exchange(0));
   for (int i = 0; i < PARTS; ++i) o[i + 1] = double(SPENT[i].exchange(0)) / ticks_per_us();

@@ -35,7 +35,8 @@ float largest(const float* x, int64_t n) {
   m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(most[0], most[1]),
                                          _mm512_max_ps(most[2], most[3])));
 #endif
-  for (; i < n; ++i) m = m > x[i] ? m : x[i];
+#pragma omp simd reduction(max : m)
+  for (int64_t j = i; j < n; ++j) m = m > x[j] ? m : x[j];
   return m;
 }
 

@@ -12,8 +12,9 @@ namespace {
 // rounded to a step of 1/32512 of the row's largest (16-bit precision; the only error the
 // integer path adds to float32 arithmetic), then dotted with the unsigned codes by vpdpbusd:
 // a 32-bit lane sums 4 products, so a code vector holds, for 16 consecutive outputs n, the
-// codes of 4 packed rows (one byte each). It is built from the packed rows with one byte permutation (vpermb) and a shift
-// and mask per lane: code n of a row lies in byte n mod W at shift (n div W)·BITS.
+// codes of 4 packed rows (one byte each). It is built from the packed rows with one byte
+// permutation (vpermb) and a shift and mask per lane: code n of a row lies in byte n mod W at
+// shift (n div W)·BITS.
 #if defined(__AVX512VNNI__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 #define KVMIX_VNNI 1
 
@@ -236,8 +237,8 @@ void int_tile(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, 
 template <int N, int BITS>
 void int_rows(const uint8_t* rows, int64_t stride, int64_t K, const int8_t* hi, const int8_t* lo,
               int64_t Kp, int R, const float* alpha, float* out, int64_t ld) {
-  for_rows(R, [&]<int T>() {
-    int_tile<N, BITS, T>(rows, stride, K, hi, lo, Kp, alpha, out, ld);
+  for_rows(R, [&]<int Rows>() {
+    int_tile<N, BITS, Rows>(rows, stride, K, hi, lo, Kp, alpha, out, ld);
   });
 }
 
