@@ -34,8 +34,15 @@ class Task {
       gathered.resize(P * C);
       bool in_order = true;
       for (int64_t i = 0; i < C; ++i) in_order = in_order && index[i] == i;
-      for (int64_t r = 0; r < P; ++r)
-        for (int64_t i = 0; i < C; ++i) gathered[r * C + i] = q_[r * D + index[i]] * mult[i];
+      for (int64_t r = 0; r < P; ++r) {
+        const float* q = &q_[r * D];
+        float* g = &gathered[r * C];
+        if (in_order)  // channels 0..C-1: a vector multiply, no gather
+#pragma omp simd
+          for (int64_t i = 0; i < C; ++i) g[i] = q[i] * mult[i];
+        else
+          for (int64_t i = 0; i < C; ++i) g[i] = q[index[i]] * mult[i];
+      }
       in_order_[k] = in_order;
     }
     fused_keys_ = !planes.empty() && planes[0].ints && in_order_[0] && planes[0].channels == D &&
