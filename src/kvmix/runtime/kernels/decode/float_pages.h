@@ -8,7 +8,7 @@ namespace {
 // One block's keys or values of this head, [t, D] floats: where they lie (float32), or widened
 // into this task's buffer (float16, bfloat16).
 const float* Task::segment_rows(const FloatSegment& seg, const void* base, int64_t block) {
-  const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
+  const int64_t at = segment_at(seg, block);
   if (seg.dtype == at::kFloat) return static_cast<const float*>(base) + at;
   widened_.resize(seg.tokens * p_->dim);
   if (seg.dtype == at::kHalf)
@@ -80,8 +80,7 @@ void Task::float_scores(const FloatSegment& seg, int64_t block, float* out) {
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
 #ifdef __AVX512F__
   if (!seg.causal && (D == 64 || D == 128)) {  // the real rows, RB at a time
-    const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
-    with_segment_rows(seg, seg.keys, at, [&]<typename E>(const E* keys) {
+    with_segment_rows(seg, seg.keys, segment_at(seg, block), [&]<typename E>(const E* keys) {
       for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
         for_rows(tile(r0), [&]<int R>() {
           (D == 64 ? rows_dot_keys<64, R, E> : rows_dot_keys<128, R, E>)(qrow(r0), keys, T, L,
@@ -105,8 +104,7 @@ void Task::float_values(const FloatSegment& seg, int64_t block, const float* wei
   const int64_t D = p_->dim, T = seg.tokens, L = total_;
 #ifdef __AVX512F__
   if (D % 32 == 0) {  // the real rows, RB at a time
-    const int64_t at = (block * p_->kv_heads + h_) * seg.head_stride;
-    with_segment_rows(seg, seg.values, at, [&]<typename E>(const E* values) {
+    with_segment_rows(seg, seg.values, segment_at(seg, block), [&]<typename E>(const E* values) {
       for (int64_t r0 = 0; r0 < p_->rows; r0 += RB)
         for_rows(tile(r0), [&]<int R>() {
           rows_add_values<R>(weights + r0 * L, L, values, T, D, acc + r0 * D);

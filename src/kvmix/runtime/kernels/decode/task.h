@@ -104,6 +104,11 @@ class Task {
 
   const float* qrow(int64_t r) const { return &q_[r * p_->dim]; }
 
+  // This head's first element of a float segment's block (its rows [t, D] follow).
+  int64_t segment_at(const FloatSegment& seg, int64_t block) const {
+    return (block * p_->kv_heads + h_) * seg.head_stride;
+  }
+
   int64_t page(int64_t n) const { return p_->packed.pages ? p_->packed.pages[n] : n; }
 
   // A later unit's key (or value) codes and statistics of this head into the cache while this
@@ -113,10 +118,9 @@ class Task {
     if (u.segment >= 0) {
       const FloatSegment& seg = p_->segments[u.segment];
       if (!keys && seg.value_page >= 0) return;
-      const int64_t at = (u.block * p_->kv_heads + h_) * seg.head_stride;
-      const int64_t size = seg.dtype == at::kFloat ? 4 : 2;
-      ahead(static_cast<const char*>(keys ? seg.keys : seg.values) + at * size,
-            seg.tokens * p_->dim * size);
+      const int64_t size = int64_t(c10::elementSize(seg.dtype));
+      const char* base = static_cast<const char*>(keys ? seg.keys : seg.values);
+      ahead(base + segment_at(seg, u.block) * size, seg.tokens * p_->dim * size);
       return;
     }
     const Packed& pk = p_->packed;
