@@ -1,7 +1,7 @@
 """The fused encoders (``kvmix.core.fused``: Triton, in its interpreter where there is no GPU,
 and the CPU op's ``quantize``) bit for bit against the torch encoder: every width, min-max and
 bin-center, float32, float16 and bfloat16, groups along either axis (the CPU op also through
-strided views), and the hard cases of the float16 statistics (constant groups, values near
+strided views, PN-Mix's mixed keys and its selections), and the hard cases of the float16 statistics (constant groups, values near
 zero that round to -0 or a subnormal, large magnitudes). Statistics compare as values: a group
 whose minimum is both +0 and -0 may keep either (torch's own choice follows its reduction
 order, which follows its vector width)."""
@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from kvmix.core import fused
+from kvmix.core.importance import selected_channels
 from kvmix.core.packing import pack
-from kvmix.core.quantizers import fused_encoding, quantize, quantize_codes
+from kvmix.core.quantizers import fused_encoding, quantize, quantize_codes, quantize_mixed
 from kvmix.runtime.kernels import cpu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # else Triton's interpreter
@@ -108,6 +109,47 @@ def test_the_cpu_encoder_packs_as_torch_packs(bits):
         assert torch.equal(got, pack(codes, bits))
     assert fused.packs(torch.zeros(2, 64, dtype=torch.uint8))
     assert not fused.packs(torch.zeros(2, 12, dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is unavailable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("high, low, center", [(3, 1, True), (3, 1, False), (4, 2, False),
+                                               (3, 2, False), (8, 4, True)])
+def test_the_cpu_encoder_mixes_keys_as_torch_does(high, low, center, dtype):
+    """PN-Mix's keys in one pass: both planes, scale and minimum as the two torch encodes and
+    the plane split give them, for keys [B, H, G, D] as they come (strided views too)."""
+    g = torch.Generator().manual_seed(3)
+    hard = hard_groups(dtype, "cpu")  # [2, 3, 16 tokens, 32 channels]
+    wide = (torch.randn(2, 3, 64, 128, generator=g) * 4).to(dtype)
+    for keys in (hard, hard.transpose(-1, -2).contiguous().transpose(-1, -2), wide[:, :, ::2]):
+        B, H, _, D = keys.shape
+        for k in (1, D // 2, D):
+            index = torch.rand(B, H, D, generator=g).argsort(-1)[..., :k].sort(-1).values
+            expected = quantize_mixed(keys, index, high, low, center)
+            assert fused.mixes(keys, high, low)
+            with fused_encoding("cpu"):
+                got = quantize_mixed(keys, index, high, low, center)
+            for e, o in zip(expected, got, strict=True):
+                assert o.shape == e.shape and o.dtype == e.dtype
+                assert torch.equal(o, e), (keys.shape, k)
+
+
+@pytest.mark.skipif(not cpu.available()[0], reason="the CPU op is unavailable")
+@pytest.mark.parametrize("units, paired", [(32, True), (64, False), (16, True)])
+def test_the_cpu_op_reads_selections_as_torch_does(units, paired):
+    """A packed selection's channels, a pair's two or a channel's one, ascending; a row that
+    selects more or fewer than ``count`` cut or filled as ``mask_index`` does."""
+    g = torch.Generator().manual_seed(4)
+    channels = 2 * units if paired else units
+    for B, H in ((1, 3), (4, 8)):
+        chosen = torch.rand(B, H, units, generator=g) < 0.5
+        bits = pack(chosen.to(torch.uint8), 1)  # [B, H·units/8]
+        pairs = torch.randperm(channels, generator=g).view(units, 2) if paired else None
+        for count in (channels // 2, 2, channels):
+            expected = selected_channels(bits, H, units, pairs, count)
+            with fused_encoding("cpu"):
+                got = selected_channels(bits, H, units, pairs, count)
+            assert got.dtype == torch.int64 and torch.equal(got, expected), (B, count)
 
 
 def test_an_unknown_encoder_is_refused():

@@ -66,7 +66,7 @@ def test_kitty_promotes_the_largest_magnitude_channels():
     for head, channels in loud.items():
         keys[:, head, :, channels] *= 100
     cache = filled("kitty:ratio=0.1,sink=4,residual=16,group=8", keys, gaussian(2, HQ, 40, D))
-    promoted = per_row(cache.layers[0], lambda row: cache.method.high_index(row.selection, 1))
+    promoted = per_row(cache.layers[0], lambda row: cache.method.high_index(row.selection))
     # promoted: [B, H, round(0.1·32)]
     for head, channels in loud.items():
         assert promoted[:, head].tolist() == [channels, channels]

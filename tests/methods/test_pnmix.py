@@ -44,7 +44,7 @@ def gaussian(*shape, seed=0):
 
 
 def high_channels(cache, layer=0):
-    return per_row(cache.layers[layer], lambda row: cache.method.high_index(row.selection, 1))
+    return per_row(cache.layers[layer], lambda row: cache.method.high_index(row.selection))
 
 
 def test_selection_follows_the_queries_when_keys_stay_the_same():

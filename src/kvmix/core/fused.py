@@ -33,9 +33,13 @@ BACKENDS = ("triton", "cpu")
 class CpuEncoder(NamedTuple):
     """The CPU op's encoder, registered by ``kvmix.runtime.kernels.cpu`` when imported (the
     op library lives with the runtime's kernels): ``quantize(x, bits, dim, center, packed)``,
-    ``pack(rows, bits)``, ``available()``."""
+    ``quantize_mixed(keys, index, high_bits, low_bits, center)``,
+    ``selected_channels(bits, heads, units, pairs, count)``, ``pack(rows, bits)``,
+    ``available()``."""
 
     quantize: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    quantize_mixed: Callable[..., tuple[torch.Tensor, ...]]
+    selected_channels: Callable[..., torch.Tensor]
     pack: Callable[[torch.Tensor, int], torch.Tensor]
     available: Callable[[], bool]
 
@@ -81,6 +85,30 @@ def quantize_codes(x: torch.Tensor, bits: int, dim: int, center: bool, packed: b
     _quantize[grid](x, codes, scale, minimum, groups, inner, width, N=size, BITS=bits,
                     CENTER=center, PACKED=packed, BLOCK_M=BLOCK_GROUPS)
     return codes, scale, minimum
+
+
+def mixes(keys: torch.Tensor, high_bits: int, low_bits: int) -> bool:
+    """Whether the CPU op's encoder serves ``quantize_mixed`` of keys [B, H, G, D]."""
+    return (keys.dim() == 4 and fits(keys, -2, low_bits, "cpu")
+            and fits(keys, -2, high_bits - low_bits, "cpu"))
+
+
+def quantize_mixed(keys: torch.Tensor, index: torch.Tensor, high_bits: int, low_bits: int,
+                   center: bool) -> tuple[torch.Tensor, ...]:
+    """``quantizers.quantize_mixed`` in the CPU op (``mixes``), in one pass over the keys."""
+    return _cpu.quantize_mixed(keys, index.long().contiguous(), high_bits, low_bits, center)
+
+
+def selects(bits: torch.Tensor, units: int) -> bool:
+    """Whether the CPU op serves ``importance.selected_channels`` of ``bits``."""
+    return bits.device.type == "cpu" and units % 8 == 0 and _cpu_op()
+
+
+def selected_channels(bits: torch.Tensor, heads: int, units: int, pairs: torch.Tensor | None,
+                      count: int) -> torch.Tensor:
+    """``importance.selected_channels`` in the CPU op (``selects``)."""
+    return _cpu.selected_channels(bits.contiguous(), heads, units,
+                                  None if pairs is None else pairs.long().contiguous(), count)
 
 
 def packs(rows: torch.Tensor) -> bool:

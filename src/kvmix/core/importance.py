@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from kvmix.core import fused
+from kvmix.core.packing import ENCODER, unpack
+
 PAIR_CRITERIA = ("qk_pair_norm", "key_pair_norm")
 CHANNEL_CRITERIA = ("key_range", "key_magnitude")
 CRITERIA = PAIR_CRITERIA + CHANNEL_CRITERIA
@@ -93,6 +96,26 @@ def mask_index(mask: torch.Tensor, count: int) -> torch.Tensor:
     A stable sort, not ``nonzero``: no host sync, and it runs on any device (meta included)."""
     order = (~mask).to(torch.uint8).sort(dim=-1, stable=True).indices  # True entries first
     return order[..., :count].sort(dim=-1).values
+
+
+def selected_channels(bits: torch.Tensor, heads: int, units: int, pairs: torch.Tensor | None,
+                      count: int) -> torch.Tensor:
+    """A selection packed one bit per (head, unit), [B, heads·units/8] uint8 (units: channels,
+    or RoPE pairs ``pairs`` [units, 2], both channels of a selected pair) -> each head's
+    ``count`` selected channels [B, heads, count], ascending (``mask_index``). With the CPU op's
+    encoder (``fused_encoding("cpu")``), one call."""
+    if ENCODER.get() == "cpu" and fused.selects(bits, units):
+        return fused.selected_channels(bits, heads, units, pairs, count)
+    chosen = unpack(bits, 1, heads * units, units).view(bits.shape[0], heads, units).bool()
+    if pairs is not None:
+        chosen = pair_to_channels(chosen, pairs)
+    return mask_index(chosen, count)
+
+
+def channel_mask(index: torch.Tensor, dim: int) -> torch.Tensor:
+    """[..., H, k] channel indices -> [..., H, 1, D] bool."""
+    mask = torch.zeros(*index.shape[:-1], dim, dtype=torch.bool, device=index.device)
+    return mask.scatter(-1, index, True).unsqueeze(-2)
 
 
 def pair_to_channels(mask: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:

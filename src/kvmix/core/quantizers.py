@@ -25,6 +25,7 @@ import torch
 
 from kvmix.core import fused
 from kvmix.core.bits import check_bits
+from kvmix.core.importance import channel_mask
 from kvmix.core.packing import ENCODER, pack, unpack
 
 STAT_DTYPE = torch.float16
@@ -108,6 +109,27 @@ def quantize_codes(
     minimum = torch.where(constant, lo.to(STAT_DTYPE), _round16(lo, down=True))
     scale = _round16((hi - minimum.to(x.dtype)) / levels, down=False).masked_fill(constant, 0)
     return _codes(x, scale.to(x.dtype), minimum.to(x.dtype), bits, center), scale, minimum
+
+
+def quantize_mixed(keys: torch.Tensor, index: torch.Tensor, high_bits: int, low_bits: int,
+                   center: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixed-precision keys [B, H, G, D], per channel over the G tokens: channels ``index``
+    [B, H, k] at ``high_bits`` (min-max), the others at ``low_bits`` (bin-center when
+    ``center``) -> (low plane [B, bytes]: every channel's ``low_bits`` codes, a high channel's
+    top bits; refinement plane [B, bytes]: the high channels' bottom ``high_bits - low_bits``
+    bits; scale, minimum [B, H, 1, D] float16). Plane rows are a channel's tokens: [B, H, D,
+    G] and [B, H, k, G]. With the CPU op's encoder (``fused_encoding("cpu")``), one pass."""
+    if ENCODER.get() == "cpu" and fused.mixes(keys, high_bits, low_bits):
+        return fused.quantize_mixed(keys, index, high_bits, low_bits, center)
+    high_codes, high_scale, minimum = quantize_codes(keys, high_bits, -2)
+    low_codes, low_scale, _ = quantize_codes(keys, low_bits, -2, center=center)
+    high = channel_mask(index, keys.shape[-1])  # [B, H, 1, D]
+    shift = high_bits - low_bits
+    low_plane = torch.where(high, high_codes >> shift, low_codes)  # [B, H, G, D]
+    at = index.unsqueeze(-2).expand(*index.shape[:-1], keys.shape[-2], index.shape[-1])
+    refine = (high_codes & (2**shift - 1)).gather(-1, at)  # [B, H, G, k]
+    return (pack(low_plane.transpose(-1, -2), low_bits), pack(refine.transpose(-1, -2), shift),
+            torch.where(high, high_scale, low_scale), minimum)
 
 
 def reconstruct(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,

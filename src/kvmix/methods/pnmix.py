@@ -33,16 +33,18 @@ from kvmix.core.bits import check_bits
 from kvmix.core.importance import (
     CRITERIA,
     PAIR_CRITERIA,
+    channel_mask,
     group_mean,
     key_scores,
     mask_index,
     pair_norms,
     pair_to_channels,
     query_pair_sums,
+    selected_channels,
     top_mask,
 )
 from kvmix.core.packing import pack, unpack
-from kvmix.core.quantizers import quantize_codes, reconstruct
+from kvmix.core.quantizers import quantize_mixed, reconstruct
 from kvmix.methods.base import (
     MIXED_KEYS,
     PER_CHANNEL_KEYS,
@@ -212,7 +214,7 @@ class PNMix(PerTokenValues):
         return RunningNorms(*(getattr(selection, f) + getattr(update, f)
                               for f in ("query_sum", "key_sum", "query_count", "key_count")))
 
-    def high_index(self, selection: PairMask | RunningNorms, batch: int) -> torch.Tensor:
+    def high_index(self, selection: PairMask | RunningNorms) -> torch.Tensor:
         """[B, H, k] sorted channel indices kept at high_bits."""
         heads, dim = self.spec.n_kv_heads, self.spec.head_dim
         if isinstance(selection, RunningNorms):
@@ -222,29 +224,20 @@ class PNMix(PerTokenValues):
                 score = score * queries
             chosen = top_mask(score, self.high_channels(dim) // 2)
             chosen = pair_to_channels(chosen, self.spec.pairs)
-        else:
-            chosen = unpack(selection.bits, 1, heads * selection.units, selection.units)
-            chosen = chosen.view(batch, heads, -1)
-            if selection.units < dim:
-                chosen = pair_to_channels(chosen.bool(), self.spec.pairs)
-        return mask_index(chosen.bool(), self.high_channels(dim))  # [B, H, k]
+            return mask_index(chosen.bool(), self.high_channels(dim))  # [B, H, k]
+        pairs = self.spec.pairs if selection.units < dim else None
+        return selected_channels(selection.bits, heads, selection.units, pairs,
+                                 self.high_channels(dim))
 
     # -- storage -----------------------------------------------------------------------------
 
     def encode(self, keys: torch.Tensor, values: torch.Tensor, layer: int,
                selection: Any) -> tuple[MixedKeys, Any]:
         # keys, values: [B, H, G, D]
-        index = self.high_index(selection, keys.shape[0])  # [B, H, k]
-        high_codes, high_scale, minimum = quantize_codes(keys, self.high_bits, -2)
-        low_codes, low_scale, _ = quantize_codes(keys, self.low_bits, -2, center=self.center)
-        high = _channel_mask(index, keys.shape[-1])  # [B, H, 1, D]
-        shift = self.high_bits - self.low_bits
-        low_plane = torch.where(high, high_codes >> shift, low_codes)
-        refine = (high_codes & (2**shift - 1)).gather(-1, _expand(index, keys.shape[-2]))
-        # rows are a channel's tokens: [B, H, D, G] and [B, H, k, G]
-        stored = MixedKeys(pack(low_plane.transpose(-1, -2), self.low_bits),
-                           pack(refine.transpose(-1, -2), shift),
-                           torch.where(high, high_scale, low_scale), minimum,
+        index = self.high_index(selection)  # [B, H, k]
+        low, high, scale, minimum = quantize_mixed(keys, index, self.high_bits, self.low_bits,
+                                                   self.center)
+        stored = MixedKeys(low, high, scale, minimum,
                            index.to(torch.uint8) if self.selection == "online" else None)
         return stored, self.encode_values(values)
 
@@ -258,8 +251,8 @@ class PNMix(PerTokenValues):
         if self.selection == "online":  # per-block channel indices: the reference path
             return None
         k, dim = blocks.keys, self.spec.head_dim
-        index = self.high_index(selection, 1)[0]  # [H, k]
-        high = _channel_mask(index, dim)[:, 0]  # [H, D]
+        index = self.high_index(selection)[0]  # [H, k]
+        high = channel_mask(index, dim)[:, 0]  # [H, D]
         every, _, _ = every_channel(*high.shape, high.device)
         shift = self.high_bits - self.low_bits
         planes = [Plane(k.low[0], self.low_bits, every, torch.where(high, 2.0**shift, 1.0)),
@@ -273,10 +266,8 @@ class PNMix(PerTokenValues):
         k = blocks.keys
         rows = k.low.shape[:-1]  # [B, n]
         heads, dim, group = self.spec.n_kv_heads, self.spec.head_dim, self.group
-        if k.index is not None:
-            index = k.index.long()  # [B, n, H, k]
-        else:
-            index = self.high_index(selection, rows[0])[:, None]  # [B, 1, H, k]
+        # [B, n, H, k] (online: each block's), or [B, 1, H, k]
+        index = k.index.long() if k.index is not None else self.high_index(selection)[:, None]
         count = index.shape[-1]
         shift = self.high_bits - self.low_bits
         codes = unpack(k.low, self.low_bits, heads * group * dim, group)
@@ -285,7 +276,7 @@ class PNMix(PerTokenValues):
         refine = refine.view(*rows, heads, count, group).transpose(-1, -2)  # [*rows, H, G, k]
         where = _expand(index, group).expand(*rows, heads, group, count)
         codes = codes.scatter(-1, where, (codes.gather(-1, where) << shift) | refine)  # uint8
-        high = _channel_mask(index, dim)  # [B, n|1, H, 1, D]
+        high = channel_mask(index, dim)  # [B, n|1, H, 1, D]
         offset = (~high).to(dtype) * 0.5 if self.center else 0.0
         keys = reconstruct(codes, k.scale, k.minimum, offset, dtype)
         return keys, self.decode_values(blocks, dtype)
@@ -294,12 +285,6 @@ class PNMix(PerTokenValues):
 def _count(x: torch.Tensor) -> torch.Tensor:
     """Tokens per sequence of x [B, H, T, D]: [B] float32."""
     return torch.full((x.shape[0],), float(x.shape[-2]), device=x.device)
-
-
-def _channel_mask(index: torch.Tensor, dim: int) -> torch.Tensor:
-    """[..., H, k] indices -> [..., H, 1, D] bool."""
-    mask = torch.zeros(*index.shape[:-1], dim, dtype=torch.bool, device=index.device)
-    return mask.scatter(-1, index, True).unsqueeze(-2)
 
 
 def _expand(index: torch.Tensor, tokens: int) -> torch.Tensor:

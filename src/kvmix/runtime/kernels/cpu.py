@@ -336,5 +336,7 @@ def _cpu_flags() -> str:
 
 
 fused.register_cpu(fused.CpuEncoder(lambda *args: call("quantize", *args),
+                                    lambda *args: call("quantize_mixed", *args),
+                                    lambda *args: call("selected_channels", *args),
                                     lambda rows, bits: call("pack", rows, bits),
                                     lambda: available()[0]))

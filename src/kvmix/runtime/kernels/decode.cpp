@@ -27,8 +27,8 @@
 //   vnni.h          integer dot products (AVX-512 VNNI + VBMI) and their stand-ins;
 //   problem.h       what a call attends;       task.h       one KV head over a range of units;
 //   float_pages.h, channel_keys.h, token_keys.h   the task's work per layout;
-//   quantize.h      kvmix::quantize and kvmix::pack, the encoder of sealed groups (not a
-//                   part of decode).
+//   quantize.h      kvmix::quantize, quantize_mixed and pack, the encoder of sealed groups
+//                   (not a part of decode).
 
 #include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
@@ -791,6 +791,102 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
   return {codes, scale, minimum};
 }
 
+// kvmix::quantize_mixed: keys [B, H, G, D] (float32, float16 or bfloat16, any strides; G a
+// power of two of 8 to 256), index [B, H, k] int64 (each head's high channels) -> the low plane
+// [B, H·D·row(G, low)], the refinement plane [B, H·k·row(G, high - low)] (uint8, rows packed
+// as packing.pack packs them), scale and minimum [B, H, 1, D] float16: bit for bit
+// quantizers.quantize_mixed.
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, const Tensor& index,
+                                                          int64_t high, int64_t low,
+                                                          bool center) {
+  check(low >= 1 && high > low && valid_bits(low) && valid_bits(high - low) && high <= 8,
+        "bits must be 1 <= low < high <= 8 with low and high - low each 1, 2, 3, 4 or 8");
+  check(keys.dim() == 4 && keys.device().is_cpu(), "keys must be a CPU tensor [B, H, G, D]");
+  const int64_t B = keys.size(0), H = keys.size(1), G = keys.size(2), D = keys.size(3);
+  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0,
+        "groups must be a power of two of 8 to 256 tokens");
+  check(index.dim() == 3 && index.size(0) == B && index.size(1) == H &&
+            index.scalar_type() == at::kLong && index.is_contiguous() && index.size(2) <= D,
+        "index must be int64 [B, H, k] (contiguous, k <= D)");
+  const int64_t k = index.size(2);
+  const int64_t* at = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.numel(); ++i)
+    check(at[i] >= 0 && at[i] < D, "index names a channel outside [0, D)");
+  const auto bytes = keys.options().dtype(at::kByte), half = keys.options().dtype(at::kHalf);
+  const int64_t low_width = D * row_bytes(G, int(low));
+  const int64_t refine_width = k * row_bytes(G, int(high - low));
+  Tensor low_plane = at::empty({B, H * low_width}, bytes);
+  Tensor refine = at::empty({B, H * refine_width}, bytes);
+  Tensor scale = at::empty({B, H, 1, D}, half), minimum = at::empty({B, H, 1, D}, half);
+  const auto run = [&](const auto* x) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / (G * D));  // heads a thread takes
+    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        quantize_mixed_head(x + b * keys.stride(0) + h * keys.stride(1), G, D, keys.stride(2),
+                            keys.stride(3), at + bh * k, k, int(high), int(low), center,
+                            low_plane.data_ptr<uint8_t>() + bh * low_width,
+                            refine.data_ptr<uint8_t>() + bh * refine_width,
+                            scale.data_ptr<at::Half>() + bh * D,
+                            minimum.data_ptr<at::Half>() + bh * D);
+      }
+    });
+  };
+  switch (keys.scalar_type()) {
+    case at::kFloat: run(keys.data_ptr<float>()); break;
+    case at::kHalf: run(keys.data_ptr<at::Half>()); break;
+    case at::kBFloat16: run(keys.data_ptr<at::BFloat16>()); break;
+    default: check(false, "keys must be float32, float16 or bfloat16");
+  }
+  return {low_plane, refine, scale, minimum};
+}
+
+// kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
+// (rows of `units` bits as packing.pack packs them), units either channels or RoPE pairs
+// (`pairs` [units, 2] int64: both channels of a selected pair) -> each head's first `count`
+// channels, selected ones first, ascending [B, H, count] int64: importance.mask_index of the
+// channel mask.
+Tensor selected_channels(const Tensor& bits, int64_t heads, int64_t units,
+                         const std::optional<Tensor>& pairs, int64_t count) {
+  check(units > 0 && units % 8 == 0 && heads > 0, "units must be a positive multiple of 8");
+  check(bits.dim() == 2 && bits.scalar_type() == at::kByte && bits.is_contiguous() &&
+            bits.size(1) == heads * units / 8,
+        "bits must be uint8 [B, heads·units/8]");
+  const int64_t* pair = nullptr;
+  int64_t D = units;
+  if (pairs) {
+    check(pairs->dim() == 2 && pairs->size(0) == units && pairs->size(1) == 2 &&
+              pairs->scalar_type() == at::kLong && pairs->is_contiguous(),
+          "pairs must be int64 [units, 2]");
+    pair = pairs->data_ptr<int64_t>();
+    D = 2 * units;
+    for (int64_t i = 0; i < 2 * units; ++i)
+      check(pair[i] >= 0 && pair[i] < D, "pairs name a channel outside [0, 2·units)");
+  }
+  check(count >= 0 && count <= D, "count must be in [0, channels]");
+  const int64_t B = bits.size(0), W = units / 8;
+  Tensor out = at::empty({B, heads, count}, bits.options().dtype(at::kLong));
+  const uint8_t* in = bits.data_ptr<uint8_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  std::vector<uint8_t> chosen(D);
+  for (int64_t bh = 0; bh < B * heads; ++bh) {
+    const uint8_t* row = in + bh * W;
+    std::fill(chosen.begin(), chosen.end(), 0);
+    for (int64_t i = 0; i < units; ++i) {
+      if (!((row[i % W] >> (i / W)) & 1)) continue;
+      if (pair) chosen[pair[2 * i]] = chosen[pair[2 * i + 1]] = 1;
+      else chosen[i] = 1;
+    }
+    int64_t* at = o + bh * count;
+    int64_t n = 0;
+    for (int want = 1; want >= 0 && n < count; --want)  // selected first, then the others
+      for (int64_t d = 0; d < D && n < count; ++d)
+        if (chosen[d] == want) at[n++] = d;
+    std::sort(at, at + n);
+  }
+  return out;
+}
+
 // kvmix::pack: codes [M, n] uint8 (< 2^bits, n a multiple of 8) -> [M, row bytes], every row
 // packed as packing.pack packs it.
 Tensor pack(const Tensor& codes, int64_t bits) {
@@ -832,6 +928,10 @@ TORCH_LIBRARY(kvmix, m) {
   m.def("op_parts() -> str", &op_parts);
   m.def("quantize(Tensor x, int bits, int dim, bool center, bool packed) -> "
         "(Tensor, Tensor, Tensor)");
+  m.def("quantize_mixed(Tensor keys, Tensor index, int high, int low, bool center) -> "
+        "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("selected_channels(Tensor bits, int heads, int units, Tensor? pairs, int count) -> "
+        "Tensor");
   m.def("pack(Tensor codes, int bits) -> Tensor");
   m.def("seal_tokens(Tensor staged_keys, Tensor? staged_values, Tensor keys, Tensor values, "
         "Tensor carried, Tensor carried_at, Tensor tokens, Tensor tokens_at, int groups, "
@@ -862,6 +962,8 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode", &decode);
   m.impl("decode_batch", &decode_batch);
   m.impl("quantize", &quantize);
+  m.impl("quantize_mixed", &quantize_mixed);
+  m.impl("selected_channels", &selected_channels);
   m.impl("pack", &pack);
   m.impl("seal_tokens", &seal_tokens);
   m.impl("write_pages", &write_pages);

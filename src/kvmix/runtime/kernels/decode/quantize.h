@@ -235,4 +235,61 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
   });
 }
 
+// One head of mixed-precision keys (PN-Mix): x [G tokens `token` apart, D channels `channel`
+// apart]; channels `index` [k] at `high` bits (min-max), the others at `low` (bin-center when
+// `center`), both grids from the channel's one range, so its minimum is the same. Writes the
+// low plane [D rows of G codes at `low` bits: a high channel's top `low` bits], the refinement
+// plane [k rows: the high channels' bottom `high - low` bits] and scale, minimum [D] (a high
+// channel's scale from its high grid), as quantizers.quantize_mixed.
+template <typename T>
+void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_t channel,
+                         const int64_t* index, int64_t k, int high, int low, bool center,
+                         uint8_t* low_plane, uint8_t* refine, at::Half* scale,
+                         at::Half* minimum) {
+  const int shift = high - low;
+  std::vector<float> lo(D), hi(D), m(D), safe(D), top(D);
+  std::vector<uint8_t> is_high(D, 0), codes(D * G);  // codes [D][G]
+  std::vector<uint8_t> centered(D);
+  for (int64_t j = 0; j < k; ++j) is_high[index[j]] = 1;
+  for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = static_cast<float>(x[d * channel]);
+  for (int64_t g = 1; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      const float v = static_cast<float>(x[g * token + d * channel]);
+      lo[d] = v < lo[d] ? v : lo[d];
+      hi[d] = v > hi[d] ? v : hi[d];
+    }
+  for (int64_t d = 0; d < D; ++d) {
+    const int bits = is_high[d] ? high : low;
+    centered[d] = !is_high[d] && center;
+    const Grid<T> grid(lo[d], hi[d], bits, centered[d]);
+    scale[d] = grid.scale;
+    minimum[d] = grid.minimum;
+    m[d] = grid.m;
+    safe[d] = grid.safe;
+    top[d] = float((1 << bits) - 1);
+  }
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d)
+      codes[d * G + g] = code_of<T>(static_cast<float>(x[g * token + d * channel]), m[d],
+                                    safe[d], top[d], centered[d]);
+  uint8_t row[MAX_GROUP];
+  const int64_t low_width = row_bytes(G, low), refine_width = row_bytes(G, shift);
+  for_bits(low, [&]<int B>() {
+    for (int64_t d = 0; d < D; ++d) {
+      const uint8_t* c = codes.data() + d * G;
+      const int s = is_high[d] ? shift : 0;
+      for (int64_t g = 0; g < G; ++g) row[g] = c[g] >> s;
+      pack_row<B>(row, G, low_plane + d * low_width);
+    }
+  });
+  const uint8_t mask = uint8_t((1 << shift) - 1);
+  for_bits(shift, [&]<int B>() {
+    for (int64_t j = 0; j < k; ++j) {
+      const uint8_t* c = codes.data() + index[j] * G;
+      for (int64_t g = 0; g < G; ++g) row[g] = c[g] & mask;
+      pack_row<B>(row, G, refine + j * refine_width);
+    }
+  });
+}
+
 }  // namespace
