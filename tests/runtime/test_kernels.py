@@ -18,7 +18,9 @@ from helpers import FAST, HQ, D, H, compare_rows, make, method_string
 from torch.overrides import TorchFunctionMode
 
 import kvmix
-from kvmix.methods import method_classes, parse_method
+from kvmix.core.quantizers import fused_encoding
+from kvmix.core.tree import map_tensors, tagged_tensors
+from kvmix.methods import Blocks, method_classes, parse_method
 from kvmix.runtime.kernels import Unserved, choose, cpu, resolve
 
 SCALE = D**-0.5
@@ -434,6 +436,62 @@ def test_the_op_times_its_parts_only_when_asked():
     if os.environ.get("KVMIX_OP_TIMING", "0") in ("", "0"):  # here: not asked
         compare_rows(make("kivi2", group=16), 20, seed=1, batch=3)
         assert set(cpu.timings().values()) == {0.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("name", ["kivi2", "kxvy:key_bits=3,value_bits=4", "pnmix1",
+                                  "pnmix1:group=32", "pnmix:high_bits=4,low_bits=2"])
+def test_groups_encoded_into_pages_are_what_encode_stores(built, name, dtype):
+    """kvmix::encode_pages: sealed groups read where seal_tokens leaves them (a token-major
+    buffer seen [2, E, H, G, D]) and written into pages out of order, keys and values or keys
+    only, bit for bit the method's encode; every other page left as it was."""
+    method = make(name).method
+    encoding = method.page_encoding(0)
+    E, G, P, pages = 3, method.group, 6, torch.tensor([4, 0, 2])
+    g = torch.Generator().manual_seed(5)
+    tokens = (torch.randn(2, E * G, H, D, generator=g) * 3).to(dtype)
+    groups = tokens.view(2, E, G, H, D).permute(0, 1, 3, 2, 4)  # [2, E, H, G, D], strided
+    selection = None
+    if encoding.index is not None:
+        queries = torch.randn(E, HQ, G, D, generator=g).to(dtype)
+        selection = method.select(queries, groups[0], 0, groups[1])
+    with fused_encoding(None):  # torch's encoder: the reference
+        expected = Blocks(*method.encode(groups[0], groups[1], 0, selection))
+    for keys_only in (False, True):
+        stored = map_tensors(expected, lambda t: torch.zeros(P, *t.shape[1:], dtype=t.dtype))
+        index = None if encoding.index is None else encoding.index(selection)
+        values = [] if keys_only else [stored.values.codes, stored.values.scale,
+                                       stored.values.minimum]
+        cpu.call("encode_pages", [getattr(stored.keys, f) for f in encoding.key_fields], values,
+                 groups[:1] if keys_only else groups, pages, index, encoding.low_bits,
+                 encoding.high_bits, encoding.center, encoding.value_bits, encoding.value_group)
+        for part in ("keys", "values"):
+            written = tagged_tensors(map_tensors(getattr(stored, part), lambda t: t[pages]), "")
+            for (path, got), (_, want) in zip(written, tagged_tensors(
+                    getattr(expected, part), ""), strict=True):
+                unwritten = keys_only and part == "values"
+                assert torch.equal(got, torch.zeros_like(want) if unwritten else want), \
+                    (part, path, keys_only)
+        rest = tagged_tensors(map_tensors(stored, lambda t: t[[1, 3, 5]]), "")
+        assert all(not t.any() for _, t in rest)
+
+
+def test_encode_pages_refuses_fields_that_do_not_hold_a_page(built):
+    method = make("kivi2").method
+    encoding = method.page_encoding(0)
+    G = method.group
+    groups = torch.randn(2, 1, H, G, D)
+    with fused_encoding(None):
+        state = Blocks(*method.encode(groups[0], groups[1], 0, None))
+    stored = map_tensors(state, lambda t: torch.zeros(2, *t.shape[1:], dtype=t.dtype))
+    keys = [stored.keys.codes, stored.keys.scale.float(), stored.keys.minimum]  # not float16
+    with pytest.raises(RuntimeError, match="key fields must hold a page's codes"):
+        cpu.call("encode_pages", keys, [], groups[:1], torch.tensor([0]), None,
+                 encoding.low_bits, encoding.high_bits, False, 2, 32)
+    assert not stored.keys.codes.any()  # refused before any write
+    with pytest.raises(RuntimeError, match="pages name a page outside"):
+        cpu.call("encode_pages", [stored.keys.codes, stored.keys.scale, stored.keys.minimum],
+                 [], groups[:1], torch.tensor([2]), None, 2, 2, False, 2, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

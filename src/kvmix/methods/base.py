@@ -9,6 +9,7 @@ at prefill (``select``). It never sees the cache, the model or transformers.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -91,6 +92,24 @@ class KernelView:
 
     keys: ChannelKeys | TokenGroups | torch.Tensor
     values: TokenGroups | torch.Tensor
+
+
+@dataclass(frozen=True)
+class PageEncoding:
+    """How ``encode`` stores a block, for an encoder that writes blocks straight into their
+    pages (the CPU op's ``encode_pages``): keys per channel over the block's tokens, each
+    group's high channels (``index`` of its selection, [B, H, k]; None: no channel is high) at
+    ``high_bits`` (min-max) and the others at ``low_bits`` (bin-center where ``center``);
+    values per token at ``value_bits`` over ``value_group`` channels. ``key_fields`` name the
+    key state's codes, scale, minimum (and the high channels' codes) in that order."""
+
+    low_bits: int
+    high_bits: int
+    center: bool
+    value_bits: int
+    value_group: int
+    key_fields: tuple[str, ...]
+    index: Callable[[Any], torch.Tensor] | None = None
 
 
 @dataclass
@@ -240,6 +259,11 @@ class Method:
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         """One sequence's blocks (tensors [1, n, ...]) as the fused decode ops read them, or
         None where this configuration has no fast path (the reference path serves it)."""
+        return None
+
+    def page_encoding(self, layer: int) -> PageEncoding | None:
+        """How ``encode`` stores a block of ``layer`` where an encoder can write it straight
+        into its page, or None where only ``encode`` can (the default)."""
         return None
 
     def selection_bits(self, spec: ModelSpec) -> int:

@@ -50,6 +50,7 @@ from kvmix.methods.base import (
     KernelView,
     Method,
     ModelSpec,
+    PageEncoding,
     channel_keys,
     choice,
     positive,
@@ -185,6 +186,13 @@ class KxVy(Method):
     def unfused(self) -> str:
         return "" if self.backend == "native" else \
             f"kxvy:backend={self.backend} decodes through its library (the reference path)"
+
+    def page_encoding(self, layer: int) -> PageEncoding | None:
+        if self.backend != "native":
+            return None
+        bits = per_layer(self.key_bits, layer)
+        return PageEncoding(bits, bits, False, per_layer(self.value_bits, layer),
+                            self.value_group, ("codes", "scale", "minimum"))
 
     def kernel_view(self, blocks: Blocks, layer: int, selection: Any) -> KernelView | None:
         if self.backend != "native":

@@ -53,6 +53,7 @@ from kvmix.methods.base import (
     ChannelKeys,
     KernelView,
     ModelSpec,
+    PageEncoding,
     PerTokenValues,
     Plane,
     choice,
@@ -240,6 +241,13 @@ class PNMix(PerTokenValues):
         stored = MixedKeys(low, high, scale, minimum,
                            index.to(torch.uint8) if self.selection == "online" else None)
         return stored, self.encode_values(values)
+
+    def page_encoding(self, layer: int) -> PageEncoding | None:
+        if self.selection == "online":  # each block's indices stored: encode alone
+            return None
+        return PageEncoding(self.low_bits, self.high_bits, self.center, self.value_bits,
+                            self.value_group, ("low", "scale", "minimum", "high"),
+                            self.high_index)
 
     def unfused(self) -> str:
         return "pnmix:selection=online picks each block's channels (the reference path)" \

@@ -37,7 +37,7 @@ from kvmix.core import fused
 from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import at_paths, map_tensors, tensor_paths
 from kvmix.methods import Blocks
-from kvmix.methods.base import token_groups
+from kvmix.methods.base import PageEncoding, token_groups
 from kvmix.runtime.accounting import open_groups_bytes
 from kvmix.runtime.arena import SlotArena
 from kvmix.runtime.inside_vllm import token_value_probes
@@ -102,6 +102,7 @@ class LayerCache:
             raise Refused(f"values='token' cannot be honoured: {token}")
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
+        self.encoding = _page_encoding(method, layer, self.kernels, spec.head_dim)
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -120,6 +121,11 @@ class LayerCache:
                  "selection": (self.pages.selection, template.selection)}
         self._fields = {name: (at_paths(pages, tensor_paths(shape)), tensor_paths(shape))
                         for name, (pages, shape) in parts.items()}
+        if self.encoding is not None:  # what encode_pages writes, in its order
+            keys, values = self.pages.blocks.keys, self.pages.blocks.values
+            self._encoded = ([getattr(keys, name) for name in self.encoding.key_fields],
+                             [values.codes, values.scale, values.minimum]
+                             if self.staged_values else [])
         if not self.staged_values:  # the pages' values as per-token groups (values="token")
             values = map_tensors(self.pages.blocks.values, lambda t: t.unsqueeze(0))
             self._value_groups = token_groups(values, self.head_dim // values.scale.shape[-2])
@@ -338,6 +344,9 @@ class LayerCache:
                 self._select_prefills(plan, query, kv)
             selection = self._selection(plan.seals.first_pages)
             self._write("selection", selection, plan.seals.pages)  # self-describing pages
+        if self.encoding is not None:
+            self._encode_pages(groups, plan.seals.pages, selection)
+            return
         with fused_encoding(self.kernels):  # kvmix's own runtime encodes in its kernels too
             # (keys only: encode's values of the keys themselves are computed and dropped)
             sealed = Blocks(*self.method.encode(keys, keys if values is None else values,
@@ -346,6 +355,17 @@ class LayerCache:
             self._write("keys", sealed.keys, plan.seals.pages)
         else:
             self._write("blocks", sealed, plan.seals.pages)
+
+    def _encode_pages(self, groups: torch.Tensor, pages: torch.Tensor, selection: Any) -> None:
+        """groups [2 (1: keys only), E, H, G, D] encoded by the CPU op straight into entries
+        ``pages`` [E] of the pages, as ``encode`` and ``_write`` would store them."""
+        encoding = self.encoding
+        index = None
+        if encoding.index is not None:
+            with fused_encoding("cpu"):
+                index = encoding.index(selection)  # [E, H, k]
+        cpu.call("encode_pages", *self._encoded, groups, pages, index, encoding.low_bits,
+                 encoding.high_bits, encoding.center, encoding.value_bits, encoding.value_group)
 
     def _write(self, part: str, state: Any, pages: torch.Tensor) -> None:
         """``state`` (tensors [E, ...], shaped as the pages' ``part``: ``blocks``, their
@@ -447,6 +467,18 @@ def readers(settings: Settings, block_size: int, device: torch.device) -> Reader
     return Readers(method.group, block_size, kernel_choice(settings, device),
                    settings.prefill == "exact", not settings.staged_values, probe is not None,
                    selects)
+
+
+def _page_encoding(method, layer: int, kernels: str, head_dim: int) -> PageEncoding | None:
+    """How the CPU op encodes ``method``'s sealed groups straight into their pages
+    (``kvmix::encode_pages``), or None: ``encode`` then ``_write`` (another kernel choice, a
+    method without a page encoding, groups the op's encoder does not take)."""
+    encoding = method.page_encoding(layer) if kernels == "cpu" else None
+    if encoding is None:
+        return None
+    groups = (method.group, encoding.value_group)
+    takes = all(8 <= n <= fused.CPU_MAX_GROUP and n & (n - 1) == 0 for n in groups)
+    return encoding if takes and head_dim % encoding.value_group == 0 else None
 
 
 def _changes(transform, layer: int, probe: torch.Tensor) -> bool:

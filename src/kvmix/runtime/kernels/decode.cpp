@@ -464,14 +464,11 @@ Tensor lay_out(const Tensor& keys, const Tensor& values, int64_t H, int64_t D,
           for (int64_t n = 0; n < N; ++n) {
             const M* row = from + n * sn + h * sh;
             O* into = to + (h * N + n) * D;
-            int64_t d = 0;
-#ifdef __AVX512F__
-            if constexpr (std::is_same_v<M, float> && std::is_same_v<O, at::Half>)
-              for (; sd == 1 && d + 16 <= D; d += 16)  // vcvtps2ph: nearest even
-                _mm256_storeu_si256(reinterpret_cast<__m256i*>(into + d), _mm512_cvtps_ph(
-                    _mm512_loadu_ps(row + d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-#endif
-            for (; d < D; ++d) into[d] = O(float(row[d * sd]));
+            if (sd == 1) {
+              convert(row, into, D);
+              continue;
+            }
+            for (int64_t d = 0; d < D; ++d) into[d] = O(float(row[d * sd]));
           }
       });
     });
@@ -706,16 +703,13 @@ Tensor seal_tokens(const Tensor& staged_keys, const std::optional<Tensor>& stage
           const Tensor& own = i == 0 ? keys : values;
           const M* step = own.data_ptr<M>();
           for (int64_t j = 0; j < c; ++j)
-            for (int64_t h = 0; h < H; ++h) {
-              const S* x = held + (h * T + from_staging[j]) * D;
-              O* y = to + (to_staged[j] * H + h) * D;
-              for (int64_t d = 0; d < D; ++d) y[d] = O(float(x[d]));
-            }
+            for (int64_t h = 0; h < H; ++h)
+              convert(held + (h * T + from_staging[j]) * D, to + (to_staged[j] * H + h) * D, D);
+          std::vector<S> staged(D);
           for (int64_t j = 0; j < e; ++j)  // rounded to the staging's dtype, as staged
             for (int64_t h = 0; h < H; ++h) {
-              const M* x = step + from_step[j] * own.stride(0) + h * own.stride(1);
-              O* y = to + (to_step[j] * H + h) * D;
-              for (int64_t d = 0; d < D; ++d) y[d] = O(float(S(float(x[d]))));
+              convert(step + from_step[j] * own.stride(0) + h * own.stride(1), staged.data(), D);
+              convert(staged.data(), to + (to_step[j] * H + h) * D, D);
             }
         }
       });
@@ -841,6 +835,106 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, co
   return {low_plane, refine, scale, minimum};
 }
 
+// A page field's first entry as T*, after checking it holds `per_page` elements of T a page.
+template <typename T>
+T* entries(const Tensor& field, int64_t per_page, const char* what) {
+  check(field.is_contiguous() && field.scalar_type() == c10::CppTypeToScalarType<T>::value &&
+            field.dim() >= 1 && field.numel() == field.size(0) * per_page,
+        what);
+  return field.data_ptr<T>();
+}
+
+// kvmix::encode_pages: the sealed groups' tokens [k, E, H, G, D] (k = 2: keys and values, 1:
+// keys only; float32, float16 or bfloat16, any strides) encoded straight into entries `pages`
+// [E] of the page fields, bit for bit what the method's encode stores and write_pages would
+// copy there: key_fields [codes (the low plane), scale, minimum, and where high > low the high
+// channels' refinement codes] per channel over the G tokens (quantize_mixed: channels `index`
+// [E, H, k] at `high` bits, the others at `low`, bin-center where `center`; high = low: no
+// index, one width); value_fields [codes, scale, minimum] (none for keys only) per token in
+// groups of `value_group` channels at `value_bits`.
+void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tensor>& value_fields,
+                  const Tensor& tokens, const Tensor& pages, const std::optional<Tensor>& index,
+                  int64_t low, int64_t high, bool center, int64_t value_bits,
+                  int64_t value_group) {
+  const bool mixed = high > low;
+  check(low >= 1 && high >= low && high <= 8 && valid_bits(low) &&
+            (!mixed || valid_bits(high - low)) && valid_bits(value_bits),
+        "bits must be 1 <= low <= high <= 8 with low, high - low and value bits each 1, 2, 3, "
+        "4 or 8");
+  check(tokens.dim() == 5 && (tokens.size(0) == 1 || tokens.size(0) == 2) &&
+            tokens.device().is_cpu(),
+        "tokens must be a CPU tensor [1 or 2, E, H, G, D]");
+  const bool values = tokens.size(0) == 2;
+  const int64_t E = tokens.size(1), H = tokens.size(2), G = tokens.size(3), D = tokens.size(4);
+  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0,
+        "groups must be a power of two of 8 to 256 tokens");
+  check(key_fields.size() == (mixed ? 4u : 3u) && value_fields.size() == (values ? 3u : 0u),
+        "key fields must be codes, scale, minimum (and refinement codes where high > low); "
+        "value fields codes, scale, minimum, or none for keys only");
+  check(!values || (value_group >= 8 && value_group <= MAX_GROUP && D % value_group == 0),
+        "value groups must be 8 to 256 channels and divide the head");
+  check(pages.dim() == 1 && pages.size(0) == E && pages.scalar_type() == at::kLong &&
+            pages.is_contiguous(),
+        "pages must be int64 [E]");
+  int64_t k = 0;
+  const int64_t* chosen = nullptr;
+  if (mixed) {
+    check(index && index->dim() == 3 && index->size(0) == E && index->size(1) == H &&
+              index->scalar_type() == at::kLong && index->is_contiguous() &&
+              index->size(2) <= D,
+          "index must be int64 [E, H, k] where high > low");
+    k = index->size(2);
+    chosen = index->data_ptr<int64_t>();
+    for (int64_t i = 0; i < index->numel(); ++i)
+      check(chosen[i] >= 0 && chosen[i] < D, "index names a channel outside [0, D)");
+  } else {
+    check(!index, "an index is for high > low only");
+  }
+  const int64_t P = key_fields[0].size(0);
+  const int64_t* at = pages.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e) check(at[e] >= 0 && at[e] < P, "pages name a page outside");
+  for (const auto& field : key_fields) check(field.size(0) == P, "fields of one pool of pages");
+  for (const auto& field : value_fields) check(field.size(0) == P, "fields of one pool of pages");
+  const int64_t low_width = D * row_bytes(G, int(low));
+  const int64_t refine_width = mixed ? k * row_bytes(G, int(high - low)) : 0;
+  const int64_t J = values ? D / value_group : 0;
+  const int64_t value_width = values ? G * J * row_bytes(value_group, int(value_bits)) : 0;
+  const char* key_shape = "key fields must hold a page's codes (uint8) and scale, minimum "
+                          "(float16, [H, D] a page)";
+  const char* value_shape = "value fields must hold a page's codes (uint8) and scale, minimum "
+                            "(float16, [H, G, D / value_group] a page)";
+  uint8_t* codes = entries<uint8_t>(key_fields[0], H * low_width, key_shape);
+  at::Half* scale = entries<at::Half>(key_fields[1], H * D, key_shape);
+  at::Half* minimum = entries<at::Half>(key_fields[2], H * D, key_shape);
+  uint8_t* refine = mixed ? entries<uint8_t>(key_fields[3], H * refine_width, key_shape) : nullptr;
+  uint8_t* value_codes = nullptr;
+  at::Half *value_scale = nullptr, *value_minimum = nullptr;
+  if (values) {
+    value_codes = entries<uint8_t>(value_fields[0], H * value_width, value_shape);
+    value_scale = entries<at::Half>(value_fields[1], H * G * J, value_shape);
+    value_minimum = entries<at::Half>(value_fields[2], H * G * J, value_shape);
+  }
+  with_float_type(tokens.scalar_type(), [&]<typename T>(T*) {
+    const T* x = tokens.const_data_ptr<T>();
+    const int64_t s0 = tokens.stride(0), s1 = tokens.stride(1), s2 = tokens.stride(2);
+    const int64_t token = tokens.stride(3), channel = tokens.stride(4);
+    for (int64_t e = 0; e < E; ++e)  // a few groups a step: each group's heads in turn
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t head = at[e] * H + h;  // the head's entry in the pages
+        quantize_mixed_head(x + e * s1 + h * s2, G, D, token, channel,
+                            chosen + (e * H + h) * k, k, int(high), int(low), center,
+                            codes + head * low_width, refine + head * refine_width,
+                            scale + head * D, minimum + head * D);
+        if (!values) continue;
+        for_bits(int(value_bits), [&]<int B>() {
+          quantize_token_values<T, B>(x + s0 + e * s1 + h * s2, G, D, token, channel,
+                                      value_group, value_codes + head * value_width,
+                                      value_scale + head * G * J, value_minimum + head * G * J);
+        });
+      }
+  });
+}
+
 // kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
 // (rows of `units` bits as packing.pack packs them), units either channels or RoPE pairs
 // (`pairs` [units, 2] int64: both channels of a selected pair) -> each head's first `count`
@@ -930,6 +1024,9 @@ TORCH_LIBRARY(kvmix, m) {
         "(Tensor, Tensor, Tensor)");
   m.def("quantize_mixed(Tensor keys, Tensor index, int high, int low, bool center) -> "
         "(Tensor, Tensor, Tensor, Tensor)");
+  m.def("encode_pages(Tensor(a!)[] key_fields, Tensor(b!)[] value_fields, Tensor tokens, "
+        "Tensor pages, Tensor? index, int low, int high, bool center, int value_bits, "
+        "int value_group) -> ()");
   m.def("selected_channels(Tensor bits, int heads, int units, Tensor? pairs, int count) -> "
         "Tensor");
   m.def("pack(Tensor codes, int bits) -> Tensor");
@@ -963,6 +1060,7 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode_batch", &decode_batch);
   m.impl("quantize", &quantize);
   m.impl("quantize_mixed", &quantize_mixed);
+  m.impl("encode_pages", &encode_pages);
   m.impl("selected_channels", &selected_channels);
   m.impl("pack", &pack);
   m.impl("seal_tokens", &seal_tokens);

@@ -96,10 +96,10 @@ void quantize_group(const T* x, int64_t n, int64_t stride, bool center, at::Half
 }
 
 // LANES groups side by side (group l's elements at x[i·inner + l]: per-channel keys read
-// across channels) -> their statistics and codes [LANES][n], one vector op for all lanes.
+// across channels) -> their statistics and codes [n][LANES], one vector op for all lanes.
 template <typename T, int BITS>
 void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half* scale,
-                    at::Half* minimum, uint8_t (*codes)[MAX_GROUP]) {
+                    at::Half* minimum, uint8_t (*codes)[LANES]) {
   float lo[LANES], hi[LANES];
   for (int l = 0; l < LANES; ++l) lo[l] = hi[l] = static_cast<float>(x[l]);
   for (int64_t i = 1; i < n; ++i)
@@ -119,16 +119,16 @@ void quantize_lanes(const T* x, int64_t n, int64_t inner, bool center, at::Half*
   constexpr float top = float((1 << BITS) - 1);
   for (int64_t i = 0; i < n; ++i)
     for (int l = 0; l < LANES; ++l)
-      codes[l][i] = code_of<T>(static_cast<float>(x[i * inner + l]), m[l], safe[l], top, center);
+      codes[i][l] = code_of<T>(static_cast<float>(x[i * inner + l]), m[l], safe[l], top, center);
 }
 
-// codes [n] -> one packed row: byte w holds codes w, w + W, ... at shifts 0, b, ... (3 bits:
-// the 2-bit plane, then the 1-bit plane).
+// codes [n], `step` apart -> one packed row: byte w holds codes w, w + W, ... at shifts 0, b,
+// ... (3 bits: the 2-bit plane, then the 1-bit plane).
 template <int BITS>
-void pack_row(const uint8_t* codes, int64_t n, uint8_t* out) {
+void pack_row(const uint8_t* codes, int64_t n, uint8_t* out, int64_t step = 1) {
   if constexpr (BITS == 3) {
     uint8_t low[MAX_GROUP], top[MAX_GROUP];
-    for (int64_t i = 0; i < n; ++i) low[i] = codes[i] & 3, top[i] = codes[i] >> 2;
+    for (int64_t i = 0; i < n; ++i) low[i] = codes[i * step] & 3, top[i] = codes[i * step] >> 2;
     pack_row<2>(low, n, out);
     pack_row<1>(top, n, out + n / 4);
   } else {
@@ -136,7 +136,7 @@ void pack_row(const uint8_t* codes, int64_t n, uint8_t* out) {
     const int64_t W = n * BITS / 8;
     for (int64_t w = 0; w < W; ++w) {
       uint8_t byte = 0;
-      for (int s = 0; s < per; ++s) byte |= uint8_t(codes[s * W + w] << (s * BITS));
+      for (int s = 0; s < per; ++s) byte |= uint8_t(codes[(s * W + w) * step] << (s * BITS));
       out[w] = byte;
     }
   }
@@ -202,7 +202,7 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
                      index.sizes.back() % LANES == 0;
   const int64_t step = lanes ? LANES : 1;
   at::parallel_for(0, groups / step, 8, [&](int64_t begin, int64_t end) {
-    uint8_t rows[LANES][MAX_GROUP];
+    uint8_t rows[MAX_GROUP][LANES];  // [n][step]: element i of group l at rows[i][l]
     GroupIndex::Cursor group(index, begin * step);
     for (int64_t b = begin; b < end; ++b) {
       const int64_t g = b * step;
@@ -210,15 +210,17 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
       if (lanes)
         quantize_lanes<T, BITS>(first, n, inner, center, scale + g, min + g, rows);
       else if (inner == 1)
-        quantize_group<T, BITS, true>(first, n, 1, center, scale[g], min[g], rows[0]);
+        quantize_group<T, BITS, true>(first, n, 1, center, scale[g], min[g], &rows[0][0]);
       else
-        quantize_group<T, BITS, false>(first, n, inner, center, scale[g], min[g], rows[0]);
+        quantize_group<T, BITS, false>(first, n, inner, center, scale[g], min[g], &rows[0][0]);
       for (int64_t l = 0; l < step; ++l, group.next()) {
+        const uint8_t* row = &rows[0][lanes ? l : 0];
+        const int64_t apart = lanes ? LANES : 1;
         if (packed) {
-          pack_row<BITS>(rows[l], n, codes + (g + l) * width);
+          pack_row<BITS>(row, n, codes + (g + l) * width, apart);
         } else {
           uint8_t* out = codes + group.target;
-          for (int64_t i = 0; i < n; ++i) out[i * index.dense_inner] = rows[l][i];
+          for (int64_t i = 0; i < n; ++i) out[i * index.dense_inner] = row[i * apart];
         }
       }
     }
@@ -235,9 +237,10 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
   });
 }
 
-// One head of mixed-precision keys (PN-Mix): x [G tokens `token` apart, D channels `channel`
-// apart]; channels `index` [k] at `high` bits (min-max), the others at `low` (bin-center when
-// `center`), both grids from the channel's one range, so its minimum is the same. Writes the
+// One head of per-channel keys, mixed-precision where k > 0 (PN-Mix): x [G tokens `token`
+// apart, D channels `channel` apart]; channels `index` [k] at `high` bits (min-max), the others
+// at `low` (bin-center when `center`), both grids from the channel's one range, so its minimum
+// is the same. Writes the
 // low plane [D rows of G codes at `low` bits: a high channel's top `low` bits], the refinement
 // plane [k rows: the high channels' bottom `high - low` bits] and scale, minimum [D] (a high
 // channel's scale from its high grid), as quantizers.quantize_mixed.
@@ -248,7 +251,7 @@ void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_
                          at::Half* minimum) {
   const int shift = high - low;
   std::vector<float> lo(D), hi(D), m(D), safe(D), top(D);
-  std::vector<uint8_t> is_high(D, 0), codes(D * G);  // codes [D][G]
+  std::vector<uint8_t> is_high(D, 0), codes(G * D);  // codes [G][D]
   std::vector<uint8_t> centered(D);
   for (int64_t j = 0; j < k; ++j) is_high[index[j]] = 1;
   for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = static_cast<float>(x[d * channel]);
@@ -270,26 +273,52 @@ void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_
   }
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d)
-      codes[d * G + g] = code_of<T>(static_cast<float>(x[g * token + d * channel]), m[d],
+      codes[g * D + d] = code_of<T>(static_cast<float>(x[g * token + d * channel]), m[d],
                                     safe[d], top[d], centered[d]);
   uint8_t row[MAX_GROUP];
   const int64_t low_width = row_bytes(G, low), refine_width = row_bytes(G, shift);
   for_bits(low, [&]<int B>() {
     for (int64_t d = 0; d < D; ++d) {
-      const uint8_t* c = codes.data() + d * G;
+      const uint8_t* c = codes.data() + d;
       const int s = is_high[d] ? shift : 0;
-      for (int64_t g = 0; g < G; ++g) row[g] = c[g] >> s;
+      for (int64_t g = 0; g < G; ++g) row[g] = c[g * D] >> s;
       pack_row<B>(row, G, low_plane + d * low_width);
     }
   });
+  if (k == 0) return;  // no high channel (per-channel keys at one width: high = low)
   const uint8_t mask = uint8_t((1 << shift) - 1);
   for_bits(shift, [&]<int B>() {
     for (int64_t j = 0; j < k; ++j) {
-      const uint8_t* c = codes.data() + index[j] * G;
-      for (int64_t g = 0; g < G; ++g) row[g] = c[g] & mask;
+      const uint8_t* c = codes.data() + index[j];
+      for (int64_t g = 0; g < G; ++g) row[g] = c[g * D] & mask;
       pack_row<B>(row, G, refine + j * refine_width);
     }
   });
+}
+
+}  // namespace
+
+namespace {
+
+// One head's tokens x [G tokens `token` apart, D channels `channel` apart] as per-token values:
+// groups of `group` channels at BITS (min-max) -> codes [G, D / group rows], scale, minimum
+// [G · D / group], as quantizers.quantize_per_token stores them.
+template <typename T, int BITS>
+void quantize_token_values(const T* x, int64_t G, int64_t D, int64_t token, int64_t channel,
+                           int64_t group, uint8_t* codes, at::Half* scale, at::Half* minimum) {
+  const int64_t J = D / group, width = row_bytes(group, BITS);
+  uint8_t row[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t at = g * J + j;
+      const T* first = x + g * token + j * group * channel;
+      if (channel == 1)
+        quantize_group<T, BITS, true>(first, group, 1, false, scale[at], minimum[at], row);
+      else
+        quantize_group<T, BITS, false>(first, group, channel, false, scale[at], minimum[at],
+                                       row);
+      pack_row<BITS>(row, group, codes + at * width);
+    }
 }
 
 }  // namespace
