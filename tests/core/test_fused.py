@@ -1,10 +1,10 @@
 """The fused encoders (``kvmix.core.fused``: Triton, in its interpreter where there is no GPU,
 and the CPU op's ``quantize``) bit for bit against the torch encoder: every width, min-max and
 bin-center, float32, float16 and bfloat16, groups along either axis (the CPU op also through
-strided views, PN-Mix's mixed keys and its selections), and the hard cases of the float16 statistics (constant groups, values near
-zero that round to -0 or a subnormal, large magnitudes). Statistics compare as values: a group
-whose minimum is both +0 and -0 may keep either (torch's own choice follows its reduction
-order, which follows its vector width)."""
+strided views, PN-Mix's mixed keys and its selections), and the hard cases of the float16
+statistics (constant groups, values near zero that round to -0 or a subnormal, large
+magnitudes). Statistics compare as values: a group whose minimum is both +0 and -0 may keep
+either (torch's own choice follows its reduction order, which follows its vector width)."""
 
 from __future__ import annotations
 
