@@ -444,12 +444,16 @@ def test_the_op_times_its_parts_only_when_asked():
 def test_groups_encoded_into_pages_are_what_encode_stores(built, name, dtype):
     """kvmix::encode_pages: sealed groups read where seal_tokens leaves them (a token-major
     buffer seen [2, E, H, G, D]) and written into pages out of order, keys and values or keys
-    only, bit for bit the method's encode; every other page left as it was."""
+    only, bit for bit the method's encode (statistics as values: +0 or -0), constant groups
+    and values near zero among them; every other page left as it was."""
     method = make(name).method
     encoding = method.page_encoding(0)
     E, G, P, pages = 3, method.group, 6, torch.tensor([4, 0, 2])
     g = torch.Generator().manual_seed(5)
-    tokens = (torch.randn(2, E * G, H, D, generator=g) * 3).to(dtype)
+    tokens = torch.randn(2, E * G, H, D, generator=g) * 3
+    tokens[1, 0] = 1.5  # a token's constant value groups
+    tokens[0, :, 0, :4] = torch.linspace(-3e-8, 2e-8, E * G)[:, None]  # channels near zero
+    tokens = tokens.to(dtype)
     groups = tokens.view(2, E, G, H, D).permute(0, 1, 3, 2, 4)  # [2, E, H, G, D], strided
     selection = None
     if encoding.index is not None:

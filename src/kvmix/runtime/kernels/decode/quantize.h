@@ -47,6 +47,19 @@ inline uint8_t code_of(float x, float m, float safe, float top, bool center) {
   return uint8_t(center ? v : (v + ROUNDER) - ROUNDER);
 }
 
+#ifdef __AVX512F__
+// code_of for 16 elements at once (each lane its own minimum, scale, top and center): the same
+// operations in the same order, IEEE in every lane, so the same codes for finite inputs.
+template <typename T>
+inline __m128i codes16(__m512 x, __m512 m, __m512 safe, __m512 top, __mmask16 center) {
+  const __m512 steps = in_dtype16<T>(_mm512_div_ps(in_dtype16<T>(_mm512_sub_ps(x, m)), safe));
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(steps, _mm512_setzero_ps()), top);
+  const __m512 rounder = _mm512_set1_ps(ROUNDER);
+  const __m512 nearest = _mm512_sub_ps(_mm512_add_ps(v, rounder), rounder);
+  return _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_mask_mov_ps(nearest, center, v)));
+}
+#endif
+
 // A group's float16 statistics from its range, and what its codes are computed against (the
 // minimum and the scale, or 1 for a constant group, back in T).
 template <typename T>
@@ -254,13 +267,33 @@ void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_
   std::vector<uint8_t> is_high(D, 0), codes(G * D);  // codes [G][D]
   std::vector<uint8_t> centered(D);
   for (int64_t j = 0; j < k; ++j) is_high[index[j]] = 1;
-  for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = static_cast<float>(x[d * channel]);
-  for (int64_t g = 1; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d) {
-      const float v = static_cast<float>(x[g * token + d * channel]);
-      lo[d] = v < lo[d] ? v : lo[d];
-      hi[d] = v > hi[d] ? v : hi[d];
+#ifdef __AVX512F__
+  const bool vector = channel == 1 && D % 16 == 0;
+#else
+  const bool vector = false;
+#endif
+  if (vector) {
+#ifdef __AVX512F__
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 l = load16(x + d), u = l;
+      for (int64_t g = 1; g < G; ++g) {
+        const __m512 v = load16(x + g * token + d);
+        l = _mm512_min_ps(v, l);  // v < l ? v : l, as the scalar loop
+        u = _mm512_max_ps(v, u);
+      }
+      _mm512_storeu_ps(lo.data() + d, l);
+      _mm512_storeu_ps(hi.data() + d, u);
     }
+#endif
+  } else {
+    for (int64_t d = 0; d < D; ++d) lo[d] = hi[d] = static_cast<float>(x[d * channel]);
+    for (int64_t g = 1; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) {
+        const float v = static_cast<float>(x[g * token + d * channel]);
+        lo[d] = v < lo[d] ? v : lo[d];
+        hi[d] = v > hi[d] ? v : hi[d];
+      }
+  }
   for (int64_t d = 0; d < D; ++d) {
     const int bits = is_high[d] ? high : low;
     centered[d] = !is_high[d] && center;
@@ -271,10 +304,24 @@ void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_
     safe[d] = grid.safe;
     top[d] = float((1 << bits) - 1);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t d = 0; d < D; ++d)
-      codes[g * D + d] = code_of<T>(static_cast<float>(x[g * token + d * channel]), m[d],
-                                    safe[d], top[d], centered[d]);
+  if (vector) {
+#ifdef __AVX512F__
+    for (int64_t d = 0; d < D; d += 16) {
+      __mmask16 center_lanes = 0;
+      for (int l = 0; l < 16; ++l) center_lanes |= __mmask16(centered[d + l] ? 1u << l : 0u);
+      const __m512 md = _mm512_loadu_ps(m.data() + d), sd = _mm512_loadu_ps(safe.data() + d);
+      const __m512 td = _mm512_loadu_ps(top.data() + d);
+      for (int64_t g = 0; g < G; ++g)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + g * D + d),
+                         codes16<T>(load16(x + g * token + d), md, sd, td, center_lanes));
+    }
+#endif
+  } else {
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d)
+        codes[g * D + d] = code_of<T>(static_cast<float>(x[g * token + d * channel]), m[d],
+                                      safe[d], top[d], centered[d]);
+  }
   uint8_t row[MAX_GROUP];
   const int64_t low_width = row_bytes(G, low), refine_width = row_bytes(G, shift);
   for_bits(low, [&]<int B>() {
@@ -300,6 +347,28 @@ void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_
 
 namespace {
 
+#ifdef __AVX512F__
+// quantize_group (min-max) of n contiguous elements, n a multiple of 16, sixteen at a time.
+template <typename T>
+void quantize_group16(const T* x, int64_t n, int bits, at::Half& scale, at::Half& minimum,
+                      uint8_t* codes) {
+  __m512 lo = load16(x), hi = lo;
+  for (int64_t i = 16; i < n; i += 16) {
+    const __m512 v = load16(x + i);
+    lo = _mm512_min_ps(v, lo);
+    hi = _mm512_max_ps(v, hi);
+  }
+  const Grid<T> grid(_mm512_reduce_min_ps(lo), _mm512_reduce_max_ps(hi), bits, false);
+  scale = grid.scale;
+  minimum = grid.minimum;
+  const __m512 m = _mm512_set1_ps(grid.m), safe = _mm512_set1_ps(grid.safe);
+  const __m512 top = _mm512_set1_ps(float((1 << bits) - 1));
+  for (int64_t i = 0; i < n; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i),
+                     codes16<T>(load16(x + i), m, safe, top, 0));
+}
+#endif
+
 // One head's tokens x [G tokens `token` apart, D channels `channel` apart] as per-token values:
 // groups of `group` channels at BITS (min-max) -> codes [G, D / group rows], scale, minimum
 // [G · D / group], as quantizers.quantize_per_token stores them.
@@ -312,6 +381,13 @@ void quantize_token_values(const T* x, int64_t G, int64_t D, int64_t token, int6
     for (int64_t j = 0; j < J; ++j) {
       const int64_t at = g * J + j;
       const T* first = x + g * token + j * group * channel;
+#ifdef __AVX512F__
+      if (channel == 1 && group % 16 == 0) {
+        quantize_group16<T>(first, group, BITS, scale[at], minimum[at], row);
+        pack_row<BITS>(row, group, codes + at * width);
+        continue;
+      }
+#endif
       if (channel == 1)
         quantize_group<T, BITS, true>(first, group, 1, false, scale[at], minimum[at], row);
       else

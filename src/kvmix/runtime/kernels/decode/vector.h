@@ -147,14 +147,29 @@ inline void store16(at::Half* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
                       _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-inline void store16(at::BFloat16* y, __m512 v) {
+// 16 floats rounded to bfloat16 (nearest even; NaN: a quiet NaN), each 16 bits in the low
+// half of its 32-bit lane.
+inline __m512i brain16(__m512 v) {
   const __m512i raw = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(raw, 16), _mm512_set1_epi32(1));
-  __m512i top = _mm512_srli_epi32(
+  const __m512i top = _mm512_srli_epi32(
       _mm512_add_epi32(raw, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  top = _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                              _mm512_set1_epi32(0x7FC0));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(top));
+  return _mm512_mask_mov_epi32(top, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                               _mm512_set1_epi32(0x7FC0));
+}
+inline void store16(at::BFloat16* y, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_cvtepi32_epi16(brain16(v)));
+}
+
+// 16 floats rounded to T and back (T(v) of each, as torch's elementwise kernels in T round).
+template <typename T>
+inline __m512 in_dtype16(__m512 v) {
+  if constexpr (std::is_same_v<T, at::Half>)
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  else if constexpr (std::is_same_v<T, at::BFloat16>)
+    return _mm512_castsi512_ps(_mm512_slli_epi32(brain16(v), 16));
+  else
+    return v;
 }
 #endif
 
