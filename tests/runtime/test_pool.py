@@ -58,7 +58,10 @@ def test_calls_per_layer_step_do_not_grow_with_the_batch(name):
 
 
 @pytest.mark.parametrize("name, ops", [("kivi2", {"quantize"}),  # packed as it quantizes
-                                       ("pnmix1", {"quantize", "pack"})])  # its planes apart
+                                       # both key planes in one pass, from the selection's
+                                       # channels; values packed as they are quantized
+                                       ("pnmix1", {"quantize_mixed", "selected_channels",
+                                                   "quantize"})])
 def test_pages_sealed_on_the_cpu_backend_go_through_the_ops_encoder(name, ops):
     """A flush's encode runs in the op library's encoder (bit for bit torch's: the reference
     comparisons of this module hold it to what the torch path stores)."""
