@@ -145,6 +145,7 @@ def test_the_cpu_op_reads_selections_as_torch_does(units, paired):
         chosen = torch.rand(B, H, units, generator=g) < 0.5
         bits = pack(chosen.to(torch.uint8), 1)  # [B, H·units/8]
         pairs = torch.randperm(channels, generator=g).view(units, 2) if paired else None
+        assert fused.selects(bits, units)
         for count in (channels // 2, 2, channels):
             expected = selected_channels(bits, H, units, pairs, count)
             with fused_encoding("cpu"):

@@ -439,25 +439,35 @@ def test_the_op_times_its_parts_only_when_asked():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("name", ["kivi2", "kxvy:key_bits=3,value_bits=4", "pnmix1",
-                                  "pnmix1:group=32", "pnmix:high_bits=4,low_bits=2"])
-def test_groups_encoded_into_pages_are_what_encode_stores(built, name, dtype):
+@pytest.mark.parametrize("name, layout", [("kivi2", {}),
+                                          ("kxvy:key_bits=3,value_bits=4", {"value_group": 8}),
+                                          ("pnmix1", {}), ("pnmix1", {"group": 32, "residual": 32}),
+                                          ("pnmix:high_bits=4,low_bits=2", {})])
+def test_groups_encoded_into_pages_are_what_encode_stores(built, name, layout, dtype):
     """kvmix::encode_pages: sealed groups read where seal_tokens leaves them (a token-major
     buffer seen [2, E, H, G, D]) and written into pages out of order, keys and values or keys
     only, bit for bit the method's encode (statistics as values: +0 or -0), constant groups
     and values near zero among them; every other page left as it was."""
-    method = make(name).method
+    method = make(name, **layout).method
     encoding = method.page_encoding(0)
     E, G, P, pages = 3, method.group, 6, torch.tensor([4, 0, 2])
+    assert layout.get("group", G) == G and encoding.value_group == layout.get("value_group", 32)
     g = torch.Generator().manual_seed(5)
     tokens = torch.randn(2, E * G, H, D, generator=g) * 3
     tokens[1, 0] = 1.5  # a token's constant value groups
     tokens[0, :, 0, :4] = torch.linspace(-3e-8, 2e-8, E * G)[:, None]  # channels near zero
     tokens = tokens.to(dtype)
-    groups = tokens.view(2, E, G, H, D).permute(0, 1, 3, 2, 4)  # [2, E, H, G, D], strided
+    seen = tokens.view(2, E, G, H, D).permute(0, 1, 3, 2, 4)  # [2, E, H, G, D], strided
+    # as seal_tokens leaves them (channels side by side), and channels apart (the scalar path)
+    for groups in (seen, seen.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        encoded_into_pages(method, encoding, groups, pages, P, g)
+
+
+def encoded_into_pages(method, encoding, groups, pages, P, g) -> None:
+    _, E, _, G, _ = groups.shape  # [2, E, H, G, D]
     selection = None
     if encoding.index is not None:
-        queries = torch.randn(E, HQ, G, D, generator=g).to(dtype)
+        queries = torch.randn(E, HQ, G, D, generator=g).to(groups.dtype)
         selection = method.select(queries, groups[0], 0, groups[1])
     with fused_encoding(None):  # torch's encoder: the reference
         expected = Blocks(*method.encode(groups[0], groups[1], 0, selection))
@@ -493,9 +503,14 @@ def test_encode_pages_refuses_fields_that_do_not_hold_a_page(built):
         cpu.call("encode_pages", keys, [], groups[:1], torch.tensor([0]), None,
                  encoding.low_bits, encoding.high_bits, False, 2, 32)
     assert not stored.keys.codes.any()  # refused before any write
+    fields = [stored.keys.codes, stored.keys.scale, stored.keys.minimum]
     with pytest.raises(RuntimeError, match="pages name a page outside"):
-        cpu.call("encode_pages", [stored.keys.codes, stored.keys.scale, stored.keys.minimum],
-                 [], groups[:1], torch.tensor([2]), None, 2, 2, False, 2, 32)
+        cpu.call("encode_pages", fields, [], groups[:1], torch.tensor([2]), None, 2, 2, False,
+                 2, 32)
+    twice = groups.expand(2, 2, *groups.shape[2:])  # two groups for one page
+    with pytest.raises(RuntimeError, match="pages must be distinct"):
+        cpu.call("encode_pages", fields, [], twice[:1], torch.tensor([1, 1]), None, 2, 2,
+                 False, 2, 32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -797,8 +797,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, co
         "bits must be 1 <= low < high <= 8 with low and high - low each 1, 2, 3, 4 or 8");
   check(keys.dim() == 4 && keys.device().is_cpu(), "keys must be a CPU tensor [B, H, G, D]");
   const int64_t B = keys.size(0), H = keys.size(1), G = keys.size(2), D = keys.size(3);
-  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0,
-        "groups must be a power of two of 8 to 256 tokens");
+  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0 && D > 0,
+        "groups must be a power of two of 8 to 256 tokens, of one channel or more");
   check(index.dim() == 3 && index.size(0) == B && index.size(1) == H &&
             index.scalar_type() == at::kLong && index.is_contiguous() && index.size(2) <= D,
         "index must be int64 [B, H, k] (contiguous, k <= D)");
@@ -846,12 +846,12 @@ T* entries(const Tensor& field, int64_t per_page, const char* what) {
 
 // kvmix::encode_pages: the sealed groups' tokens [k, E, H, G, D] (k = 2: keys and values, 1:
 // keys only; float32, float16 or bfloat16, any strides) encoded straight into entries `pages`
-// [E] of the page fields, bit for bit what the method's encode stores and write_pages would
-// copy there: key_fields [codes (the low plane), scale, minimum, and where high > low the high
-// channels' refinement codes] per channel over the G tokens (quantize_mixed: channels `index`
-// [E, H, k] at `high` bits, the others at `low`, bin-center where `center`; high = low: no
-// index, one width); value_fields [codes, scale, minimum] (none for keys only) per token in
-// groups of `value_group` channels at `value_bits`.
+// [E] of the page fields (distinct), bit for bit what the method's encode stores and
+// write_pages would copy there: key_fields [codes (the low plane), scale, minimum, and where
+// high > low the high channels' refinement codes] per channel over the G tokens
+// (quantize_mixed: channels `index` [E, H, k] at `high` bits, the others at `low`, bin-center
+// where `center`; high = low: no index, one width); value_fields [codes, scale, minimum] (none
+// for keys only) per token in groups of `value_group` channels at `value_bits`.
 void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tensor>& value_fields,
                   const Tensor& tokens, const Tensor& pages, const std::optional<Tensor>& index,
                   int64_t low, int64_t high, bool center, int64_t value_bits,
@@ -866,13 +866,14 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
         "tokens must be a CPU tensor [1 or 2, E, H, G, D]");
   const bool values = tokens.size(0) == 2;
   const int64_t E = tokens.size(1), H = tokens.size(2), G = tokens.size(3), D = tokens.size(4);
-  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0,
-        "groups must be a power of two of 8 to 256 tokens");
+  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0 && D > 0,
+        "groups must be a power of two of 8 to 256 tokens, of one channel or more");
   check(key_fields.size() == (mixed ? 4u : 3u) && value_fields.size() == (values ? 3u : 0u),
         "key fields must be codes, scale, minimum (and refinement codes where high > low); "
         "value fields codes, scale, minimum, or none for keys only");
-  check(!values || (value_group >= 8 && value_group <= MAX_GROUP && D % value_group == 0),
-        "value groups must be 8 to 256 channels and divide the head");
+  check(!values || (value_group >= 8 && value_group <= MAX_GROUP &&
+                     (value_group & (value_group - 1)) == 0 && D % value_group == 0),
+        "value groups must be a power of two of 8 to 256 channels dividing the head");
   check(pages.dim() == 1 && pages.size(0) == E && pages.scalar_type() == at::kLong &&
             pages.is_contiguous(),
         "pages must be int64 [E]");
@@ -892,7 +893,12 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
   }
   const int64_t P = key_fields[0].size(0);
   const int64_t* at = pages.data_ptr<int64_t>();
-  for (int64_t e = 0; e < E; ++e) check(at[e] >= 0 && at[e] < P, "pages name a page outside");
+  std::vector<bool> taken(P, false);  // distinct pages: the threads write apart
+  for (int64_t e = 0; e < E; ++e) {
+    check(at[e] >= 0 && at[e] < P, "pages name a page outside the pool");
+    check(!taken[at[e]], "pages must be distinct");
+    taken[at[e]] = true;
+  }
   for (const auto& field : key_fields) check(field.size(0) == P, "fields of one pool of pages");
   for (const auto& field : value_fields) check(field.size(0) == P, "fields of one pool of pages");
   const int64_t low_width = D * row_bytes(G, int(low));
@@ -918,8 +924,10 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
     const T* x = tokens.const_data_ptr<T>();
     const int64_t s0 = tokens.stride(0), s1 = tokens.stride(1), s2 = tokens.stride(2);
     const int64_t token = tokens.stride(3), channel = tokens.stride(4);
-    for (int64_t e = 0; e < E; ++e)  // a few groups a step: each group's heads in turn
-      for (int64_t h = 0; h < H; ++h) {
+    const int64_t grain = std::max<int64_t>(1, 16384 / (G * D));  // heads a thread takes
+    at::parallel_for(0, E * H, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t eh = begin; eh < end; ++eh) {
+        const int64_t e = eh / H, h = eh % H;
         const int64_t head = at[e] * H + h;  // the head's entry in the pages
         quantize_mixed_head(x + e * s1 + h * s2, G, D, token, channel,
                             chosen + (e * H + h) * k, k, int(high), int(low), center,
@@ -932,6 +940,7 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
                                       value_scale + head * G * J, value_minimum + head * G * J);
         });
       }
+    });
   });
 }
 

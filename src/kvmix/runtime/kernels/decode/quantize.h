@@ -1,4 +1,5 @@
-// kvmix::quantize — min-max (or bin-center) groups quantized and packed on CPU, bit for bit
+// kvmix::quantize (and quantize_mixed, encode_pages: PN-Mix's keys, sealed groups written into
+// their pages) — min-max (or bin-center) groups quantized and packed on CPU, bit for bit
 // kvmix's torch encoder (quantizers.quantize_codes, packing.pack), as kvmix.core.fused's Triton
 // kernel is on a GPU. Every step repeats the torch encoder's arithmetic in the input's dtype
 // (T: float, at::Half or at::BFloat16): each operation done in float32 and rounded to T, as
@@ -253,10 +254,9 @@ void quantize_groups(const T* x, const GroupIndex& index, int64_t groups, int64_
 // One head of per-channel keys, mixed-precision where k > 0 (PN-Mix): x [G tokens `token`
 // apart, D channels `channel` apart]; channels `index` [k] at `high` bits (min-max), the others
 // at `low` (bin-center when `center`), both grids from the channel's one range, so its minimum
-// is the same. Writes the
-// low plane [D rows of G codes at `low` bits: a high channel's top `low` bits], the refinement
-// plane [k rows: the high channels' bottom `high - low` bits] and scale, minimum [D] (a high
-// channel's scale from its high grid), as quantizers.quantize_mixed.
+// is the same. Writes the low plane [D rows of G codes at `low` bits: a high channel's top
+// `low` bits], the refinement plane [k rows: the high channels' bottom `high - low` bits] and
+// scale, minimum [D] (a high channel's scale from its high grid), as quantizers.quantize_mixed.
 template <typename T>
 void quantize_mixed_head(const T* x, int64_t G, int64_t D, int64_t token, int64_t channel,
                          const int64_t* index, int64_t k, int high, int low, bool center,

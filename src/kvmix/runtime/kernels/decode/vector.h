@@ -140,8 +140,8 @@ inline __m512 token_lanes(const float* stats, int64_t J, int64_t j) {
 #endif
 
 #ifdef __AVX512F__
-// 16 floats stored as float32, float16 or bfloat16, each rounded to nearest even as torch's
-// copy rounds it (a bfloat16 NaN stays a quiet NaN, as c10's conversion keeps it).
+// 16 floats stored as float32, float16 or bfloat16, each rounded to nearest even as c10's
+// conversion rounds it (a bfloat16 NaN: c10's quiet NaN 0x7FC0).
 inline void store16(float* y, __m512 v) { _mm512_storeu_ps(y, v); }
 inline void store16(at::Half* y, __m512 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
@@ -173,7 +173,7 @@ inline __m512 in_dtype16(__m512 v) {
 }
 #endif
 
-// n elements of S -> O, each rounded to nearest even as torch's copy rounds it (through
+// n elements of S -> O, each rounded to nearest even as c10's conversion rounds it (through
 // float32: exact for every pair of float32, float16 and bfloat16), sixteen at a time where
 // the CPU has AVX-512.
 template <typename S, typename O>
