@@ -35,6 +35,7 @@
 #include <immintrin.h>
 #endif
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
@@ -785,56 +786,6 @@ std::tuple<Tensor, Tensor, Tensor> quantize(const Tensor& x, int64_t bits, int64
   return {codes, scale, minimum};
 }
 
-// kvmix::quantize_mixed: keys [B, H, G, D] (float32, float16 or bfloat16, any strides; G a
-// power of two of 8 to 256), index [B, H, k] int64 (each head's high channels) -> the low plane
-// [B, H·D·row(G, low)], the refinement plane [B, H·k·row(G, high - low)] (uint8, rows packed
-// as packing.pack packs them), scale and minimum [B, H, 1, D] float16: bit for bit
-// quantizers.quantize_mixed.
-std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, const Tensor& index,
-                                                          int64_t high, int64_t low,
-                                                          bool center) {
-  check(low >= 1 && high > low && valid_bits(low) && valid_bits(high - low) && high <= 8,
-        "bits must be 1 <= low < high <= 8 with low and high - low each 1, 2, 3, 4 or 8");
-  check(keys.dim() == 4 && keys.device().is_cpu(), "keys must be a CPU tensor [B, H, G, D]");
-  const int64_t B = keys.size(0), H = keys.size(1), G = keys.size(2), D = keys.size(3);
-  check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0 && D > 0,
-        "groups must be a power of two of 8 to 256 tokens, of one channel or more");
-  check(index.dim() == 3 && index.size(0) == B && index.size(1) == H &&
-            index.scalar_type() == at::kLong && index.is_contiguous() && index.size(2) <= D,
-        "index must be int64 [B, H, k] (contiguous, k <= D)");
-  const int64_t k = index.size(2);
-  const int64_t* at = index.data_ptr<int64_t>();
-  for (int64_t i = 0; i < index.numel(); ++i)
-    check(at[i] >= 0 && at[i] < D, "index names a channel outside [0, D)");
-  const auto bytes = keys.options().dtype(at::kByte), half = keys.options().dtype(at::kHalf);
-  const int64_t low_width = D * row_bytes(G, int(low));
-  const int64_t refine_width = k * row_bytes(G, int(high - low));
-  Tensor low_plane = at::empty({B, H * low_width}, bytes);
-  Tensor refine = at::empty({B, H * refine_width}, bytes);
-  Tensor scale = at::empty({B, H, 1, D}, half), minimum = at::empty({B, H, 1, D}, half);
-  const auto run = [&](const auto* x) {
-    const int64_t grain = std::max<int64_t>(1, 16384 / (G * D));  // heads a thread takes
-    at::parallel_for(0, B * H, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H, h = bh % H;
-        quantize_mixed_head(x + b * keys.stride(0) + h * keys.stride(1), G, D, keys.stride(2),
-                            keys.stride(3), at + bh * k, k, int(high), int(low), center,
-                            low_plane.data_ptr<uint8_t>() + bh * low_width,
-                            refine.data_ptr<uint8_t>() + bh * refine_width,
-                            scale.data_ptr<at::Half>() + bh * D,
-                            minimum.data_ptr<at::Half>() + bh * D);
-      }
-    });
-  };
-  switch (keys.scalar_type()) {
-    case at::kFloat: run(keys.data_ptr<float>()); break;
-    case at::kHalf: run(keys.data_ptr<at::Half>()); break;
-    case at::kBFloat16: run(keys.data_ptr<at::BFloat16>()); break;
-    default: check(false, "keys must be float32, float16 or bfloat16");
-  }
-  return {low_plane, refine, scale, minimum};
-}
-
 // A page field's first entry as T*, after checking it holds `per_page` elements of T a page.
 template <typename T>
 T* entries(const Tensor& field, int64_t per_page, const char* what) {
@@ -857,14 +808,14 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
                   int64_t low, int64_t high, bool center, int64_t value_bits,
                   int64_t value_group) {
   const bool mixed = high > low;
-  check(low >= 1 && high >= low && high <= 8 && valid_bits(low) &&
-            (!mixed || valid_bits(high - low)) && valid_bits(value_bits),
-        "bits must be 1 <= low <= high <= 8 with low, high - low and value bits each 1, 2, 3, "
-        "4 or 8");
   check(tokens.dim() == 5 && (tokens.size(0) == 1 || tokens.size(0) == 2) &&
             tokens.device().is_cpu(),
         "tokens must be a CPU tensor [1 or 2, E, H, G, D]");
   const bool values = tokens.size(0) == 2;
+  check(low >= 1 && high >= low && high <= 8 && valid_bits(low) &&
+            (!mixed || valid_bits(high - low)) && (!values || valid_bits(value_bits)),
+        "bits must be 1 <= low <= high <= 8 with low, high - low and value bits each 1, 2, 3, "
+        "4 or 8");
   const int64_t E = tokens.size(1), H = tokens.size(2), G = tokens.size(3), D = tokens.size(4);
   check(G >= 8 && G <= MAX_GROUP && (G & (G - 1)) == 0 && D > 0,
         "groups must be a power of two of 8 to 256 tokens, of one channel or more");
@@ -942,6 +893,29 @@ void encode_pages(const std::vector<Tensor>& key_fields, const std::vector<Tenso
       }
     });
   });
+}
+
+// kvmix::quantize_mixed: keys [B, H, G, D] (float32, float16 or bfloat16, any strides; G a
+// power of two of 8 to 256), index [B, H, k] int64 (each head's high channels) -> the low plane
+// [B, H·D·row(G, low)], the refinement plane [B, H·k·row(G, high - low)] (uint8, rows packed
+// as packing.pack packs them), scale and minimum [B, H, 1, D] float16: bit for bit
+// quantizers.quantize_mixed. encode_pages' keys, into B pages of their own.
+std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, const Tensor& index,
+                                                          int64_t high, int64_t low,
+                                                          bool center) {
+  check(high > low && keys.dim() == 4 && index.dim() == 3,
+        "quantize_mixed takes keys [B, H, G, D], index [B, H, k] and high > low");
+  const int64_t B = keys.size(0), H = keys.size(1), G = keys.size(2), D = keys.size(3);
+  const int64_t k = index.size(2);
+  check(G > 0 && D > 0 && valid_bits(low) && valid_bits(high - low),
+        "keys need tokens and channels, and low and high - low bits each 1, 2, 3, 4 or 8");
+  const auto bytes = keys.options().dtype(at::kByte), half = keys.options().dtype(at::kHalf);
+  Tensor low_plane = at::empty({B, H * D * row_bytes(G, int(low))}, bytes);
+  Tensor refine = at::empty({B, H * k * row_bytes(G, int(high - low))}, bytes);
+  Tensor scale = at::empty({B, H, 1, D}, half), minimum = at::empty({B, H, 1, D}, half);
+  encode_pages({low_plane, scale, minimum, refine}, {}, keys.unsqueeze(0),
+               at::arange(B, keys.options().dtype(at::kLong)), index, low, high, center, 0, 0);
+  return {low_plane, refine, scale, minimum};
 }
 
 // kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
