@@ -5,8 +5,8 @@ running (the budget holds them all), the engine core in this process. Per decode
 
 * model: the model's forward less its attention layers (vLLM's linear layers, norms, RoPE);
 * attention: the attention layers' ``forward`` (kvmix: ``KvmixImpl``), of which kvmix's op
-  (``torch.ops.kvmix.decode_batch``, the fused CPU kernel) is counted apart from the Python and
-  torch ops around it;
+  (``torch.ops.kvmix.step``: the step's seals encoded into their pages, the fused CPU kernel,
+  the staging) is counted apart from the Python and torch ops around it;
 * plan: the attention metadata builder (kvmix: ``Planner.plan``, once for every layer);
 * vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
 
@@ -27,8 +27,8 @@ tokens, so that rows fill and seal their groups in different steps, as requests 
 different times do (with equal prompts every row seals in the same step).
 
 ``OP_PARTS=1`` also splits kvmix's op by part (``kvmix.runtime.kernels.cpu.timings``: setup,
-keys and values of float segments and of packed blocks, softmax, merge, staging; µs a layer,
-summed over the op's threads): its time stamps make the op itself a little slower."""
+keys and values of float segments and of packed blocks, softmax, merge, staging, seal; µs a
+layer, summed over the op's threads): its time stamps make the op itself a little slower."""
 
 from __future__ import annotations
 
@@ -107,6 +107,7 @@ def instrument(clock: Clock, setting: str) -> None:
 
         cpu.load()
         clock.wrap(backend.KvmixImpl, "forward", "attention")
+        clock.wrap(torch.ops.kvmix, "step", "op")  # a layer's seals, attention and staging
         clock.wrap(torch.ops.kvmix, "decode_batch", "op")
         builder = backend.KvmixMetadataBuilder
     build = builder.build
@@ -180,7 +181,7 @@ COLUMNS = {"setting": "setting", "model": "model ms", "attention": "attention ms
 OP_COLUMNS = {"setting": "setting", "op": "op ms a step", **{
     f"op.{part}": f"{part} µs" for part in ("setup", "start", "keys_float", "keys_packed",
                                            "softmax", "values_float", "values_packed", "merge",
-                                           "stage", "wall")}}
+                                           "stage", "seal", "wall")}}
 
 
 def main(argv: list[str]) -> None:

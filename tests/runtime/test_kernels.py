@@ -513,6 +513,26 @@ def test_encode_pages_refuses_fields_that_do_not_hold_a_page(built):
                  False, 2, 32)
 
 
+def test_step_rows_refuse_arrays_that_do_not_describe_one_step(built):
+    """kvmix::step's rows (built once a step, read by every layer) check their shapes when
+    built: a block table, floats and counts of one row count, int64; seals all or none."""
+    K, M, N = 3, 2, 4
+    table, counts = torch.zeros(K, M, dtype=torch.long), torch.zeros(K, dtype=torch.long)
+    floats, stage_at = torch.zeros(K, 4, dtype=torch.long), torch.full((N,), -1)
+    seals = [torch.zeros(1, dtype=torch.long)] * 5
+    rows = torch.classes.kvmix.StepRows(table, table, counts, floats, stage_at, None, *seals, 8)
+    assert rows is not None
+    with pytest.raises(RuntimeError, match=r"table, held \[K, M\], counts \[K\]"):
+        torch.classes.kvmix.StepRows(table, table, counts[:2], floats, stage_at, None,
+                                     *seals, 8)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.classes.kvmix.StepRows(table.int(), table, counts, floats, stage_at, None,
+                                     *seals, 8)
+    with pytest.raises(RuntimeError, match="seals come with their pages"):
+        torch.classes.kvmix.StepRows(table, table, counts, floats, stage_at, None,
+                                     *seals[:4], None, 8)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_the_op_lays_new_tokens_out_rounded_as_torch_rounds_them(built, dtype):
     """New keys and values [N, H, D] (a strided float32 view, as vLLM hands them) staged by the

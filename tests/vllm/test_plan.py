@@ -173,6 +173,43 @@ def test_pages_hold_the_methods_codes_and_outputs_are_attention_over_them(name):
     check(Run(settings_for(name)).run())
 
 
+@pytest.mark.parametrize("values", ["group", "token"])
+@pytest.mark.parametrize("name", ["kivi2", "pnmix1", "chanmix"])
+def test_a_layers_step_is_one_call_of_the_cpu_op_with_its_seals_in_it(monkeypatch, name,
+                                                                      values):
+    """With the CPU op, a layer's step is one ``kvmix::step`` call (``put_values`` before it
+    with values="token"; PN-Mix's later groups copy their row's selection and compute its
+    channels before it): the groups it seals gathered and encoded into their pages inside it,
+    where the method has a page encoding and no row's first group is sealed (its selection
+    is chosen from the group's tokens first); the pages are the method's ``encode`` still."""
+    from kvmix.runtime.kernels import cpu
+
+    calls, call = [], cpu.call
+    monkeypatch.setattr(cpu, "call", lambda op, *a, **k: calls.append(op) or call(op, *a, **k))
+    run = Run(settings_for(name, values=values))
+    planned = []
+    plan_of = run.planner.plan
+    run.planner.plan = lambda *a: planned.append(plan_of(*a)) or planned[-1]
+    steps = []
+    step = run.cache.step
+    run.cache.step = lambda *a: (calls.clear(), step(*a), steps.append(list(calls)))
+    check(run.run())
+    token = ["put_values"] if values == "token" else []
+    encoded, selects = run.cache.encoding is not None, run.cache.pages.selection is not None
+    assert encoded == (name != "chanmix")
+    by_op = 0
+    for made, ops in zip(planned, steps, strict=True):
+        seals = made.seals
+        if seals is not None and (not encoded or (selects and seals.selects)):  # sealed first
+            assert ops[-1] == "step" and "seal_tokens" in ops, (name, ops)
+            continue
+        # a later group's selection copied from its row's first page, its channels computed
+        copied = ["write_pages", "selected_channels"] if seals is not None and selects else []
+        assert ops == [*token, *copied, "step"], (name, ops)
+        by_op += seals is not None
+    assert by_op or not encoded, "no step sealed its groups inside the op"
+
+
 @pytest.mark.parametrize("name", ["kivi2", "pnmix1"])
 def test_staging_by_request_slot_gives_the_same_pages_and_outputs(name):
     """Model Runner V2 names each row's request slot: the staging slot is that, nothing kept."""

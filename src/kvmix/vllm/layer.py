@@ -103,6 +103,9 @@ class LayerCache:
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
         self.encoding = _page_encoding(method, layer, self.kernels, spec.head_dim)
+        self._encoder = None if self.encoding is None else torch.classes.kvmix.PageEncoding(
+            self.encoding.low_bits, self.encoding.high_bits, self.encoding.center,
+            self.encoding.value_bits, self.encoding.value_group)
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -154,16 +157,16 @@ class LayerCache:
         if not self.staged_values and plan.tokens:  # before any row reads its group's values
             self._put_values(plan, value)
         if plan.writes.by_op:  # the CPU op lays out and stages the tokens: none laid out here
-            if plan.seals is not None:
-                self._seal(plan, query, key, value, sums)
-            self._attend(plan, query, (key, value), scale, output)
+            sealing = self._sealing(plan, query, key, value, sums)
+            self._attend(plan, query, (key, value), scale, output, sealing)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
         kv = new.permute(2, 0, 1, 3)  # [N, 2, H, D] (a view)
         if plan.seals is not None:
             self._seal(plan, query, key, value, sums, kv)
         if plan.rows is not None:
-            self._attend(plan, query, new, scale, output)
+            self._attend(plan, query, (key, value) if self.kernels == "cpu" else new, scale,
+                         output)
         for chunk in plan.chunks:
             self._chunk(chunk, query, kv, scale, output)
         self._stage(plan, new)
@@ -186,12 +189,15 @@ class LayerCache:
 
     # -- attend --------------------------------------------------------------------------------
 
-    def _attend(self, plan: StepPlan, query, tokens, scale: float, output) -> None:
+    def _attend(self, plan: StepPlan, query, tokens, scale: float, output,
+                sealing: tuple = ([], [], None, None)) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row), each reading its own group's floats where they
         lie (``KernelRows.floats``): the staging, then the step's ``tokens`` — laid out
         [2, H, N, D] in the staging dtype, or, for the CPU op to lay out, (key, value)
-        [N, H, D]."""
+        [N, H, D]. The CPU op's call (``kvmix::step``) first seals the step's groups where
+        ``sealing`` says how (``_sealing``), and stages the new tokens where
+        ``plan.writes.by_op``."""
         rows = plan.rows
         if self.kernels == "torch":
             for k, token in enumerate(rows.tokens.tolist()):
@@ -206,38 +212,20 @@ class LayerCache:
                                    (self.staging.keys, self.staging.values, rows.floats),
                                    step=(tokens[0:1], tokens[1:2]))
         else:
-            keys, values, named = self._cpu_floats(plan, tokens)
             in_place = rows.every_token and output.dtype == torch.float32 \
-                and output.is_contiguous()
-            if in_place:
-                named["out"] = output  # the op writes vLLM's output: no copy
-            out = cpu.call("decode_batch", cpu.query_rows(queries), scale, keys, values,
-                           rows.floats, self.method.group, rows.table, rows.held, rows.counts,
-                           *batch.arguments(pool, "cpu", cpu.built_arguments), **named)
+                and output.is_contiguous()  # the op writes vLLM's output: no copy
+            # with values="token" the staging holds keys only: the values passed are the keys
+            # again, never read (each row's own values are read from its page)
+            values = self.staging.values if self.staged_values else self.staging.keys
+            out = cpu.call("step", cpu.query_rows(queries), scale, self.staging.keys, values,
+                           rows.step_rows, *tokens, cpu.page_pool(pool), *sealing,
+                           out=output if in_place else None)
             if in_place:
                 return
         if rows.every_token:
             output.copy_(out)
         else:
             output[rows.tokens] = out.to(output.dtype)
-
-    def _cpu_floats(self, plan: StepPlan, tokens) -> tuple:
-        """What the CPU op reads besides the pool: the staging's keys and values [1, H,
-        slots·G, D] and the step's tokens, laid out [2, H, N, D] or as (key, value) [N, H, D]
-        for the op to lay out; where ``plan.writes.by_op`` the op then stages them
-        (``stage_at``). With ``values="token"`` the op reads each row's own values from its page
-        (``value_pages``), where ``_put_values`` put them: the staging values passed are the
-        keys again, never read."""
-        if isinstance(tokens, tuple):
-            named = {"new_keys": tokens[0], "new_values": tokens[1]}
-        else:
-            named = {"step_keys": tokens[0:1], "step_values": tokens[1:2]}
-        if plan.writes.by_op:
-            named["stage_at"] = plan.writes.stage_at
-        if not self.staged_values:  # each row's own values are read from its page
-            named["value_pages"] = plan.rows.own_pages
-            return self.staging.keys, self.staging.keys, named
-        return self.staging.keys, self.staging.values, named
 
     def _reference(self, rows: KernelRows, k: int, token: int, query, new: torch.Tensor,
                    scale, output) -> None:
@@ -330,6 +318,26 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
+    def _sealing(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None) -> tuple:
+        """How the CPU op's ``kvmix::step`` seals the step's groups: (key fields, value fields,
+        encoding, index) where it encodes them into their pages itself, the selection each
+        copies from its row's first page written here; else nothing, the groups sealed here
+        first (a method without a page encoding; a row's first group sealed now, whose
+        selection is chosen from its tokens)."""
+        seals = plan.seals
+        if seals is None:
+            return [], [], None, None
+        selects = self.pages.selection is not None
+        if self.encoding is None or (selects and seals.selects):
+            self._seal(plan, query, key, value, sums)
+            return [], [], None, None
+        index = None
+        if selects:
+            selection = self._selection(seals.first_pages)
+            self._write("selection", selection, seals.pages)  # self-describing pages
+            index = self._index(selection)
+        return (*self._encoded, self._encoder, index)
+
     def _seal(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None,
               kv: torch.Tensor | None = None) -> None:
         """Encode every group completed this step into its page, in one call (its keys only
@@ -360,12 +368,17 @@ class LayerCache:
         """groups [2 (1: keys only), E, H, G, D] encoded by the CPU op straight into entries
         ``pages`` [E] of the pages, as ``encode`` and ``_write`` would store them."""
         encoding = self.encoding
-        index = None
-        if encoding.index is not None:
-            with fused_encoding("cpu"):
-                index = encoding.index(selection)  # [E, H, k]
-        cpu.call("encode_pages", *self._encoded, groups, pages, index, encoding.low_bits,
-                 encoding.high_bits, encoding.center, encoding.value_bits, encoding.value_group)
+        cpu.call("encode_pages", *self._encoded, groups, pages, self._index(selection),
+                 encoding.low_bits, encoding.high_bits, encoding.center, encoding.value_bits,
+                 encoding.value_group)
+
+    def _index(self, selection: Any) -> torch.Tensor | None:
+        """The high channels [E, H, k] of the sealed groups' ``selection`` (their rows' first
+        pages'), where the page encoding mixes widths."""
+        if self.encoding.index is None:
+            return None
+        with fused_encoding("cpu"):
+            return self.encoding.index(selection)
 
     def _write(self, part: str, state: Any, pages: torch.Tensor) -> None:
         """``state`` (tensors [E, ...], shaped as the pages' ``part``: ``blocks``, their

@@ -38,6 +38,7 @@ E the groups it seals, K the kernel rows. Its arrays reach the device in one cop
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -310,7 +311,9 @@ class KernelRows:
     then (start, count) of its group's new tokens in the step's tokens; ``own_pages`` [K] its
     own group's page (``values="token"``: its values are read there); ``first_pages`` its row's
     first page (its selection; on the host, for methods that select); ``every_token``: the rows
-    are the step's tokens in order."""
+    are the step's tokens in order; ``step_rows``: where the CPU op runs them, the rows with
+    the step's token writes and seals as ``kvmix::step`` reads them (``StepRows``, one object
+    every layer passes)."""
 
     tokens: torch.Tensor
     table: torch.Tensor
@@ -320,6 +323,7 @@ class KernelRows:
     own_pages: torch.Tensor | None
     first_pages: tuple[int, ...] | None
     every_token: bool
+    step_rows: Any = None
 
     @property
     def count(self) -> int:
@@ -444,7 +448,8 @@ def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) 
         rows=None if up["rows"] is None else KernelRows(
             **up["rows"], every_token=rows.count > 0 and bool(kernel.all()),
             first_pages=tuple(rows.page(row[attended], np.zeros_like(attended)).tolist())
-            if readers.selects else None),
+            if readers.selects else None,
+            step_rows=_step_rows(up, len(row), G) if readers.kernels == "cpu" else None),
         chunks=chunks)
 
 
@@ -521,6 +526,24 @@ def _kernel_rows(rows: Rows, slots: Slots, tokens: _Tokens, attended: np.ndarray
     return {"tokens": attended, "table": table, "held": valid * G, "counts": g,
             "floats": floats.reshape(-1, 4),
             "own_pages": rows.page(row, g) if token_values else None}
+
+
+def _step_rows(up: dict[str, dict[str, torch.Tensor | None] | None], tokens: int,
+               group: int) -> Any:
+    """The step's kernel rows, token writes and seals (uploaded) as the CPU op reads them, one
+    object for every layer's ``kvmix::step`` call; where the op does not stage the step's
+    ``tokens`` (``TokenWrites.by_op`` false), it stages none."""
+    from kvmix.runtime.kernels import cpu
+
+    cpu.load()
+    rows, seals, stage_at = up["rows"], up["seals"], up["writes"]["stage_at"]
+    if stage_at is None:
+        stage_at = torch.full((tokens,), -1, dtype=torch.int64)
+    sealed = (None,) * 5 if seals is None else tuple(
+        seals[name] for name in ("pages", "carried", "carried_at", "tokens", "tokens_at"))
+    return torch.classes.kvmix.StepRows(rows["table"], rows["held"], rows["counts"],
+                                        rows["floats"], stage_at, rows["own_pages"], *sealed,
+                                        group)
 
 
 def _chunk(rows: Rows, slots: Slots, r: int, device: torch.device) -> Chunk:

@@ -183,6 +183,13 @@ def _pool_arguments(pool: batch.PoolView) -> list:
     return batch.arguments(pool, "cpu", built_arguments)
 
 
+def page_pool(pool: batch.PoolView):
+    """The pool of a pool view as ``kvmix::step`` reads it: one ``PagePool`` object (float
+    pages, or packed layouts with each row's plane channels), built once per view."""
+    return batch.arguments(pool, "cpu-pool",
+                           lambda view: torch.classes.kvmix.PagePool(*_pool_arguments(view)))
+
+
 def built_arguments(pool: batch.PoolView) -> list:
     """The op's pool arguments of a pool view (what ``batch.arguments`` keeps per view)."""
     if pool.view is not None and isinstance(pool.view.keys, torch.Tensor):

@@ -137,6 +137,74 @@ struct ChannelPlanes : torch::CustomClassHolder {
 using Groups = std::optional<c10::intrusive_ptr<TokenGroups>>;
 using Planes = std::optional<c10::intrusive_ptr<ChannelPlanes>>;
 
+// A layer's pages as the op reads them, built once per pool view: float pages [P, H, G, D]
+// (keys and values, the `full` method) or packed ones (per-channel `planes` or per-token
+// `token_keys`, and `value_groups`).
+struct PagePool : torch::CustomClassHolder {
+  std::optional<Tensor> page_keys, page_values;
+  Planes planes;
+  Groups token_keys, value_groups;
+  PagePool(std::optional<Tensor> page_keys, std::optional<Tensor> page_values, Planes planes,
+           Groups token_keys, Groups value_groups)
+      : page_keys(std::move(page_keys)), page_values(std::move(page_values)),
+        planes(std::move(planes)), token_keys(std::move(token_keys)),
+        value_groups(std::move(value_groups)) {}
+};
+
+// How a method stores a sealed group in its pages (the Python PageEncoding): keys per channel
+// over the group's tokens, the selection's high channels at `high` bits and the others at
+// `low` (bin-center where `center`), values per token at `value_bits` over `value_group`
+// channels.
+struct PageEncoding : torch::CustomClassHolder {
+  int64_t low, high, value_bits, value_group;
+  bool center;
+  PageEncoding(int64_t low, int64_t high, bool center, int64_t value_bits, int64_t value_group)
+      : low(low), high(high), value_bits(value_bits), value_group(value_group),
+        center(center) {}
+};
+
+// A vLLM step as kvmix::step reads it, built once per step by the plugin's plan and passed by
+// every layer (int64 tensors; `group` tokens a page). The K kernel rows: the pages before
+// each row's own group (table, held [K, M], counts [K]) and its own group's floats (floats
+// [K, 4]: start and count in the staging, then in the step's tokens); where each of the N new
+// tokens is staged (stage_at [N], -1: its group is sealed now); with values="token" each
+// row's own page (own_pages [K]). The E groups the step seals, where it seals any: their pages
+// (seal_pages [E]) and their tokens, staged ones at staging positions `carried` [c] and the
+// step's `tokens` [e], at token slots `carried_at` and `tokens_at` (entry · G + offset).
+struct StepRows : torch::CustomClassHolder {
+  Tensor table, held, counts, floats, stage_at;
+  std::optional<Tensor> own_pages, seal_pages, carried, carried_at, tokens, tokens_at;
+  int64_t group;
+  StepRows(Tensor table, Tensor held, Tensor counts, Tensor floats, Tensor stage_at,
+           std::optional<Tensor> own_pages, std::optional<Tensor> seal_pages,
+           std::optional<Tensor> carried, std::optional<Tensor> carried_at,
+           std::optional<Tensor> tokens, std::optional<Tensor> tokens_at, int64_t group)
+      : table(std::move(table)), held(std::move(held)), counts(std::move(counts)),
+        floats(std::move(floats)), stage_at(std::move(stage_at)), own_pages(std::move(own_pages)),
+        seal_pages(std::move(seal_pages)), carried(std::move(carried)),
+        carried_at(std::move(carried_at)), tokens(std::move(tokens)),
+        tokens_at(std::move(tokens_at)), group(group) {
+    // shapes and types once a step; the values are checked where they are read
+    const int64_t K = this->counts.numel();
+    const auto ints = [](const Tensor& t) {
+      return t.scalar_type() == at::kLong && t.is_contiguous() && t.device().is_cpu();
+    };
+    const bool seals = this->seal_pages.has_value();
+    TORCH_CHECK(group > 0 && ints(this->table) && ints(this->held) && ints(this->counts) &&
+                    ints(this->floats) && ints(this->stage_at) && this->table.dim() == 2 &&
+                    this->table.size(0) == K && this->held.sizes() == this->table.sizes() &&
+                    this->floats.dim() == 2 && this->floats.size(0) == K &&
+                    this->floats.size(1) == 4 && this->stage_at.dim() == 1 &&
+                    (!this->own_pages || (ints(*this->own_pages) &&
+                                          this->own_pages->numel() == K)),
+                "kvmix: step rows must be int64 CPU tensors: table, held [K, M], counts [K], "
+                "floats [K, 4], stage_at [N] (own_pages [K])");
+    TORCH_CHECK(seals == this->carried.has_value() && seals == this->carried_at.has_value() &&
+                    seals == this->tokens.has_value() && seals == this->tokens_at.has_value(),
+                "kvmix: a step's seals come with their pages, carried tokens and step tokens");
+  }
+};
+
 namespace {
 
 Stats token_groups(const TokenGroups& g, int64_t dim, int64_t heads, int64_t tokens,
@@ -985,6 +1053,41 @@ Tensor pack(const Tensor& codes, int64_t bits) {
 
 }  // namespace
 
+// kvmix::step: one layer's whole vLLM step on the CPU, in one call (`rows` the step's
+// StepRows, built once for every layer): the groups the step seals gathered from the staging
+// [1, H, T, D] (keys, and values unless `value_fields` is empty: values="token") and the
+// step's keys, values [N, H, D] (seal_tokens), encoded straight into their pages (encode_pages
+// into `key_fields` and `value_fields`, channels `index` [E, H, k] high where the encoding
+// mixes widths) where `encoding` is given (else the caller sealed them before); then every
+// kernel row attends to its pages and its own group's floats, and the new tokens still open
+// are staged (decode_batch: query [K, Hq, D] -> [K, Hq, D] float32, or into `out`).
+Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
+            const Tensor& staging_values, const c10::intrusive_ptr<StepRows>& rows,
+            const Tensor& keys, const Tensor& values, const c10::intrusive_ptr<PagePool>& pool,
+            const std::vector<Tensor>& key_fields, const std::vector<Tensor>& value_fields,
+            const std::optional<c10::intrusive_ptr<PageEncoding>>& encoding,
+            const std::optional<Tensor>& index, const std::optional<Tensor>& out) {
+  const StepRows& r = *rows;
+  if (encoding && r.seal_pages) {
+    Stopwatch clock;
+    const PageEncoding& how = **encoding;
+    const int64_t E = r.seal_pages->numel();
+    const std::optional<Tensor> staged_values =
+        value_fields.empty() ? std::nullopt : std::optional<Tensor>(staging_values);
+    const Tensor groups = seal_tokens(staging_keys, staged_values, keys, values, *r.carried,
+                                      *r.carried_at, *r.tokens, *r.tokens_at, E, r.group,
+                                      keys.scalar_type());  // [k, E, H, G, D]
+    encode_pages(key_fields, value_fields, groups, *r.seal_pages, index, how.low, how.high,
+                 how.center, how.value_bits, how.value_group);
+    clock.lap(SEAL);
+  }
+  const PagePool& p = *pool;
+  return decode_batch(query, scale, staging_keys, staging_values, r.floats, r.group, r.table,
+                      r.held, r.counts, p.page_keys, p.page_values, p.planes, p.token_keys,
+                      p.value_groups, std::nullopt, std::nullopt, std::nullopt, r.stage_at, keys,
+                      values, r.own_pages, out);
+}
+
 // The kernels this build holds: "avx512-vnni" (integer dot products) or "float".
 std::string simd() {
 #ifdef KVMIX_VNNI
@@ -1000,6 +1103,14 @@ TORCH_LIBRARY(kvmix, m) {
   m.class_<ChannelPlanes>("ChannelPlanes")
       .def(torch::init<std::vector<Tensor>, std::vector<int64_t>, std::vector<Tensor>,
                        std::vector<Tensor>, Tensor, Tensor, Tensor>());
+  m.class_<PagePool>("PagePool")
+      .def(torch::init<std::optional<Tensor>, std::optional<Tensor>, Planes, Groups, Groups>());
+  m.class_<PageEncoding>("PageEncoding")
+      .def(torch::init<int64_t, int64_t, bool, int64_t, int64_t>());
+  m.class_<StepRows>("StepRows")
+      .def(torch::init<Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>,
+                       std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
+                       std::optional<Tensor>, std::optional<Tensor>, int64_t>());
   m.def("simd() -> str", &simd);
   m.def("op_timings() -> Tensor", &op_timings);
   m.def("op_parts() -> str", &op_parts);
@@ -1034,6 +1145,12 @@ TORCH_LIBRARY(kvmix, m) {
       // values are neither read nor written)
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
       "Tensor(d!)? out=None) -> Tensor");
+  m.def(
+      "step(Tensor query, float scale, Tensor(a!) staging_keys, Tensor(b!) staging_values, "
+      "__torch__.torch.classes.kvmix.StepRows rows, Tensor keys, Tensor values, "
+      "__torch__.torch.classes.kvmix.PagePool pool, Tensor(c!)[] key_fields, "
+      "Tensor(d!)[] value_fields, __torch__.torch.classes.kvmix.PageEncoding? encoding, "
+      "Tensor? index, Tensor(e!)? out=None) -> Tensor");
   m.def("put_values(Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) minimum, Tensor values, "
         "ScalarType staging, Tensor value_at, int bits, int value_group, int group) -> ()");
 }
@@ -1041,6 +1158,7 @@ TORCH_LIBRARY(kvmix, m) {
 TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode", &decode);
   m.impl("decode_batch", &decode_batch);
+  m.impl("step", &step);
   m.impl("quantize", &quantize);
   m.impl("quantize_mixed", &quantize_mixed);
   m.impl("encode_pages", &encode_pages);

@@ -23,13 +23,14 @@ inline uint64_t ticks() {
 // setup: validation and the rows' problems, before the threads start; start: a task's query
 // and plane weights; keys_float / keys_packed: scores of float segments and packed blocks;
 // softmax; values_float / values_packed; merge: a head's rows written to the output; stage:
-// the step's tokens into the staging after attending; wall: the whole call, on the caller's
-// thread; calls: how many.
+// the step's tokens into the staging after attending; seal: kvmix::step's sealed groups
+// gathered and encoded into their pages (before it attends); wall: the whole attending call,
+// on the caller's thread; calls: how many.
 enum Part { SETUP, START, KEYS_FLOAT, KEYS_PACKED, SOFTMAX, VALUES_FLOAT, VALUES_PACKED, MERGE,
-            STAGE, WALL, PARTS };
+            STAGE, SEAL, WALL, PARTS };
 constexpr const char* PART_NAMES[PARTS] = {"setup", "start", "keys_float", "keys_packed",
                                            "softmax", "values_float", "values_packed", "merge",
-                                           "stage", "wall"};
+                                           "stage", "seal", "wall"};
 
 const bool TIMING = [] {
   const char* on = std::getenv("KVMIX_OP_TIMING");
