@@ -5,8 +5,8 @@ running (the budget holds them all), the engine core in this process. Per decode
 
 * model: the model's forward less its attention layers (vLLM's linear layers, norms, RoPE);
 * attention: the attention layers' ``forward`` (kvmix: ``KvmixImpl``), of which kvmix's op
-  (``torch.ops.kvmix.step``: the step's seals encoded into their pages, the fused CPU kernel,
-  the staging) is counted apart from the Python and torch ops around it;
+  (``kvmix::step`` through ``cpu.call``: the step's seals encoded into their pages, the fused
+  CPU kernel, the staging) is counted apart from the Python and torch ops around it;
 * plan: the attention metadata builder (kvmix: ``Planner.plan``, once for every layer);
 * vLLM: the rest of the engine's step (scheduling, input preparation, sampling, outputs).
 
@@ -64,19 +64,28 @@ class Clock:
 
     def wrap(self, owner, name: str, part: str) -> None:
         inner = getattr(owner, name)
-        clock = self
+        setattr(owner, name, lambda *args, **kwargs: self.timed(part, inner, *args, **kwargs))
 
-        def timed(*args, **kwargs):
-            clock.depth[part] += 1
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                clock.depth[part] -= 1
-                if not clock.depth[part]:  # nested calls (a layer inside a model) once
-                    clock.now[part] += time.perf_counter() - start
+    def wrap_op(self, cpu, ops: tuple[str, ...]) -> None:
+        """kvmix's calls of ``ops`` through ``cpu.call`` (every call of its op library), timed
+        as "op"."""
+        call, timed = cpu.call, self.timed
 
-        setattr(owner, name, timed)
+        def call_timed(op, *args, **kwargs):
+            return (timed("op", call, op, *args, **kwargs) if op in ops
+                    else call(op, *args, **kwargs))
+
+        cpu.call = call_timed
+
+    def timed(self, part: str, inner, *args, **kwargs):
+        self.depth[part] += 1
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            self.depth[part] -= 1
+            if not self.depth[part]:  # nested calls (a layer inside a model) once
+                self.now[part] += time.perf_counter() - start
 
     @contextmanager
     def step(self, op_parts: bool = False):
@@ -107,8 +116,7 @@ def instrument(clock: Clock, setting: str) -> None:
 
         cpu.load()
         clock.wrap(backend.KvmixImpl, "forward", "attention")
-        clock.wrap(torch.ops.kvmix, "step", "op")  # a layer's seals, attention and staging
-        clock.wrap(torch.ops.kvmix, "decode_batch", "op")
+        clock.wrap_op(cpu, ("step", "decode_batch"))  # a layer's seals, attention, staging
         builder = backend.KvmixMetadataBuilder
     build = builder.build
 

@@ -73,12 +73,21 @@ def unserved(method, head_dim: int) -> str:
 
 
 def call(op: str, *args, **kwargs) -> torch.Tensor:
-    """``torch.ops.kvmix.<op>`` without torch's ``__torch_function__`` probe of its arguments:
-    none of the op's arguments overrides torch, and the probe of each TorchScript object (its
-    missing attribute raised and caught as a C++ exception) costs tens of µs a call, more than
-    a small decode."""
+    """``torch.ops.kvmix.<op>`` without torch's ``__torch_function__`` probe of its arguments
+    (none of them overrides torch; the probe of each TorchScript object, its missing attribute
+    raised and caught as a C++ exception, costs tens of µs a call, more than a small decode),
+    and through its one overload's C++ entry (``_entry``)."""
     with torch._C.DisableTorchFunction():
-        return getattr(torch.ops.kvmix, op)(*args, **kwargs)
+        return _entry(op)(*args, **kwargs)
+
+
+@functools.cache
+def _entry(op: str):
+    """The C++ function behind ``torch.ops.kvmix.<op>.default``: called directly, it skips the
+    Python-side walk of every argument torch's op objects make for ops that take TorchScript
+    objects (a search for fake ones, used only while tracing; ~5 µs a call of ``step``)."""
+    load()
+    return getattr(torch.ops.kvmix, op).default._op
 
 
 def available() -> tuple[bool, str]:
