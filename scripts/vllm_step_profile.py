@@ -101,7 +101,6 @@ class Clock:
 
 
 def instrument(clock: Clock, setting: str) -> None:
-    import torch
     from vllm.model_executor.models.llama import LlamaForCausalLM
 
     clock.wrap(LlamaForCausalLM, "forward", "forward")
