@@ -576,6 +576,58 @@ def test_a_plan_is_one_upload_of_the_groups_its_readers_run():
     assert planner.book.page_of.tolist() == book.tolist()  # nothing ran: nothing committed
 
 
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("token_values, sums, selects", [(False, False, False),
+                                                         (True, True, True)])
+def test_the_op_librarys_plan_is_the_reference_plan(exact, token_values, sums, selects):
+    """``kvmix::plan_step`` (the CPU op's planner, in one call) gives ``reference_plan``'s
+    arrays for random steps: decodes and chunks, groups sealed, carried and opened, rows with
+    and without staged tokens, prompts' first chunks (reference-path chunks where ``exact``)."""
+    readers = Readers(G, BLOCK, "cpu", exact, token_values, sums, selects)
+    rng = np.random.default_rng(0)
+    seen = set()
+    for _ in range(60):
+        R = int(rng.integers(0, 7))
+        new = np.where(rng.random(R) < 0.5, 1, rng.integers(1, 3 * G, R))
+        before = np.where(rng.random(R) < 0.3, 0, rng.integers(0, 5 * G, R))
+        lengths = before + new
+        width = int(-(-lengths.max(initial=1) // BLOCK)) + 1
+        table = rng.permutation(R * width + 1)[1:].reshape(R, width).astype(np.int64) \
+            if R else np.zeros((0, 1), np.int64)
+        rows = plan.Rows(np.concatenate([[0], np.cumsum(new)]).astype(np.int64),
+                         lengths.astype(np.int64), table, G, BLOCK)
+        slot = rng.permutation(16)[:R].astype(np.int64)
+        slots = plan.Slots(np.where(rows.staged > 0, slot, -1),
+                           np.where(lengths % G > 0, slot, -1))
+        host = plan._host_plan(rows, slots, readers)
+        reference = plan.reference_plan(rows, slots, readers, torch.device("cpu"))
+        assert (host.tokens, host.sealed) == (reference.tokens, reference.sealed)
+        assert [(c.start, c.stop, c.pages, c.slot) for c in host.chunks] == \
+            [(c.start, c.stop, c.pages, c.slot) for c in reference.chunks]
+        assert bool(host.chunks) == (exact and bool((rows.before == 0)[rows.new > 1].any()))
+        assert (host.rows is None) == (reference.rows is None)
+        assert (host.rows is None) or host.rows.step_rows is not None
+        seen |= {name for name, happened in (
+            ("carried", host.seals is not None and host.seals.carried.numel()),
+            ("first groups sealed", host.seals is not None and host.seals.selects),
+            ("chunks", host.chunks), ("sums", host.sums is not None),
+            ("rows", host.rows is not None)) if happened}
+        for part in ("writes", "seals", "sums", "rows"):
+            a, b = getattr(host, part), getattr(reference, part)
+            assert (a is None) == (b is None), part
+            for name, x in ({} if a is None else vars(a)).items():
+                y = getattr(b, name)
+                if name == "step_rows":
+                    continue
+                if isinstance(x, torch.Tensor):
+                    assert y is not None and x.shape == y.shape and torch.equal(x, y), \
+                        (part, name, x, y)
+                else:
+                    assert x == y, (part, name)
+    assert seen >= {"carried", "first groups sealed", "rows"} | (
+        {"chunks"} if exact else set()) | ({"sums"} if sums else set())
+
+
 def test_micro_batching_is_refused_by_name():
     """vLLM's micro-batches (--enable-dbo, --ubatch-size) would plan two batches before either
     runs: kvmix plans one batch a step and refuses them at start-up."""

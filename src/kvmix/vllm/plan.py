@@ -32,7 +32,9 @@ groups copy the selection from its first page.
 
 A plan is grouped by who reads it, each group built only in a step that runs its reader, and
 every array named with the index space it lives in: R the step's rows (requests), N its tokens,
-E the groups it seals, K the kernel rows. Its arrays reach the device in one copy.
+E the groups it seals, K the kernel rows. Where the CPU op reads it, the op library plans the
+step in one call (``kvmix::plan_step``, with the rows as ``kvmix::step`` reads them);
+elsewhere ``reference_plan`` does in numpy, its arrays reaching the device in one copy.
 """
 
 from __future__ import annotations
@@ -414,7 +416,65 @@ class _Tokens:
 
 def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) -> StepPlan:
     """The plan of one step: a pure function of its ``rows``, their staging ``slots`` and what
-    reads it; its arrays reach ``device`` in one copy."""
+    reads it. Where the CPU op reads it, the op library plans it on the host in one call
+    (``kvmix::plan_step``, and the rows as ``kvmix::step`` reads them); elsewhere
+    ``reference_plan`` does, its arrays reaching ``device`` in one copy."""
+    if readers.kernels == "cpu":
+        return _host_plan(rows, slots, readers)
+    return reference_plan(rows, slots, readers, device)
+
+
+def _kernel_rows_of(rows: Rows, readers: Readers) -> np.ndarray:
+    """Which rows are kernel rows [R] (bool): a decode's, and with the fused kernels a chunk's
+    (but a prompt's first chunk where ``exact``); the others are reference-path chunks."""
+    return (rows.new == 1) | readers.fused & ~(readers.exact & (rows.before == 0))
+
+
+def _chunks(rows: Rows, slots: Slots, kernel: np.ndarray | None, device: torch.device
+            ) -> list[Chunk]:
+    """The rows that are not kernel rows as chunks (None: every row is one)."""
+    if kernel is None:
+        return []
+    return [_chunk(rows, slots, r, device) for r in np.flatnonzero(~kernel)]
+
+
+def _host_plan(rows: Rows, slots: Slots, readers: Readers) -> StepPlan:
+    """``reference_plan``'s plan from the op library's planner (``kvmix::plan_step``), with the
+    kernel rows as ``kvmix::step`` reads them (``KernelRows.step_rows``)."""
+    from kvmix.runtime.kernels import cpu
+
+    every = readers.fused and not readers.exact  # every row a kernel row
+    chunks = _chunks(rows, slots, None if every else _kernel_rows_of(rows, readers),
+                     torch.device("cpu"))
+    by_op = not chunks and bool(rows.starts[-1] > 0)  # the op attends to and stages them all
+    arrays, facts, step_rows = cpu.call(
+        "plan_step", *(torch.from_numpy(a) for a in (rows.starts, rows.lengths, rows.block_table,
+                                                     slots.before, slots.after)),
+        rows.group, rows.block_size, readers.fused, readers.exact, by_op, readers.token_values,
+        readers.sums, readers.selects, True)
+    (stage_at, staged, staged_at, value_at, pages, first_pages, tokens, tokens_at, carried,
+     carried_at, firsts, restart, sum_tokens, into, sealed, sum_carried, row_tokens, table, held,
+     counts, floats, own_pages) = arrays
+    n, count, has_seals, has_sums, has_rows, every_token, all_staged, selecting = facts[:8]
+    return StepPlan(
+        tokens=n,
+        writes=TokenWrites(stage_at, staged, staged_at, value_at, by_op=by_op,
+                           all_staged=bool(all_staged)),
+        seals=Seals(pages, first_pages, tokens, tokens_at, carried, carried_at, firsts,
+                    count=count, selects=selecting > 0) if has_seals else None,
+        sums=QuerySums(restart, sum_tokens, into, sealed.bool(), sum_carried)
+        if has_sums else None,
+        rows=KernelRows(row_tokens, table, held, counts, floats, own_pages,
+                        tuple(facts[8:]) if readers.selects else None,
+                        every_token=bool(every_token), step_rows=step_rows)
+        if has_rows else None,
+        chunks=chunks)
+
+
+def reference_plan(rows: Rows, slots: Slots, readers: Readers, device: torch.device
+                   ) -> StepPlan:
+    """The plan of one step in numpy (the reference of ``kvmix::plan_step``); its arrays reach
+    ``device`` in one copy."""
     G, every = rows.group, np.arange(rows.count)
     count = rows.done - rows.opened  # [R] groups each row seals
     entry_start = np.concatenate([[0], np.cumsum(count)])  # [R + 1]
@@ -423,8 +483,8 @@ def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) 
     g = position // G
     tokens = _Tokens(row, g, position % G, g < rows.done[row],
                      entry_start[row] + g - rows.opened[row])
-    kernel = (rows.new == 1) | readers.fused & ~(readers.exact & (rows.before == 0))  # [R]
-    chunks = [_chunk(rows, slots, r, device) for r in np.flatnonzero(~kernel)]
+    kernel = _kernel_rows_of(rows, readers)
+    chunks = _chunks(rows, slots, kernel, device)
     attended = np.flatnonzero(kernel[row])  # [K] the kernel rows' tokens
     by_op = readers.kernels == "cpu" and not chunks and len(attended) > 0
     arrays = {
@@ -448,8 +508,7 @@ def plan_step(rows: Rows, slots: Slots, readers: Readers, device: torch.device) 
         rows=None if up["rows"] is None else KernelRows(
             **up["rows"], every_token=rows.count > 0 and bool(kernel.all()),
             first_pages=tuple(rows.page(row[attended], np.zeros_like(attended)).tolist())
-            if readers.selects else None,
-            step_rows=_step_rows(up, len(row), G) if readers.kernels == "cpu" else None),
+            if readers.selects else None),
         chunks=chunks)
 
 
@@ -526,24 +585,6 @@ def _kernel_rows(rows: Rows, slots: Slots, tokens: _Tokens, attended: np.ndarray
     return {"tokens": attended, "table": table, "held": valid * G, "counts": g,
             "floats": floats.reshape(-1, 4),
             "own_pages": rows.page(row, g) if token_values else None}
-
-
-def _step_rows(up: dict[str, dict[str, torch.Tensor | None] | None], tokens: int,
-               group: int) -> Any:
-    """The step's kernel rows, token writes and seals (uploaded) as the CPU op reads them, one
-    object for every layer's ``kvmix::step`` call; where the op does not stage the step's
-    ``tokens`` (``TokenWrites.by_op`` false), it stages none."""
-    from kvmix.runtime.kernels import cpu
-
-    cpu.load()
-    rows, seals, stage_at = up["rows"], up["seals"], up["writes"]["stage_at"]
-    if stage_at is None:
-        stage_at = torch.full((tokens,), -1, dtype=torch.int64)
-    sealed = (None,) * 5 if seals is None else tuple(
-        seals[name] for name in ("pages", "carried", "carried_at", "tokens", "tokens_at"))
-    return torch.classes.kvmix.StepRows(rows["table"], rows["held"], rows["counts"],
-                                        rows["floats"], stage_at, rows["own_pages"], *sealed,
-                                        group)
 
 
 def _chunk(rows: Rows, slots: Slots, r: int, device: torch.device) -> Chunk:

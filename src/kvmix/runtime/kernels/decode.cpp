@@ -28,15 +28,18 @@
 //   problem.h       what a call attends;       task.h       one KV head over a range of units;
 //   float_pages.h, channel_keys.h, token_keys.h   the task's work per layout;
 //   quantize.h      kvmix::quantize, quantize_mixed and pack, the encoder of sealed groups
-//                   (not a part of decode).
+//                   (not a part of decode);
+//   step_plan.h     kvmix::plan_step, the vLLM plugin's plan of a step (not a part of decode).
 
 #include <ATen/Parallel.h>
 #if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <ATen/core/LegacyTypeDispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -66,6 +69,7 @@
 #include "decode/channel_keys.h"
 #include "decode/token_keys.h"
 #include "decode/quantize.h"
+#include "decode/step_plan.h"
 
 namespace {
 
@@ -1088,6 +1092,78 @@ Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
                       values, r.own_pages, out);
 }
 
+// kvmix::plan_step: the plan of one vLLM step (kvmix.vllm.plan.reference_plan, its reference)
+// from its rows (PlanRows) and what reads it (PlanFlags): the plan's arrays in the reference's
+// order, views of one tensor (writes: stage_at, staged, staged_at, value_at; seals: pages,
+// first_pages, tokens, tokens_at, carried, carried_at, firsts; sums: restart, tokens, into,
+// sealed, carried; kernel rows: tokens, table, held, counts, floats, own_pages), None where the
+// step has none; its facts [N, E, has_seals, has_sums, has_rows, every_token, all_staged, F,
+// then where `selects` each kernel row's first page] and, where `step_rows`, the rows as
+// kvmix::step reads them.
+std::tuple<std::vector<std::optional<Tensor>>, std::vector<int64_t>,
+           std::optional<c10::intrusive_ptr<StepRows>>>
+plan_step(
+    const Tensor& starts, const Tensor& lengths, const Tensor& block_table,
+    const Tensor& slot_before, const Tensor& slot_after, int64_t group, int64_t block_size,
+    bool fused, bool exact, bool by_op, bool token_values, bool sums, bool selects,
+    bool step_rows) {
+  PlanRows r;
+  r.R = lengths.numel();
+  r.G = group;
+  r.B = block_size;
+  check(group > 0 && block_size > 0 && block_size % group == 0,
+        "plan_step: a block must hold whole groups");
+  check(block_table.dim() == 2 && block_table.size(0) == r.R && block_table.device().is_cpu() &&
+            (block_table.numel() == 0 || block_table.size(1) == 1 ||
+             block_table.stride(1) == 1) &&
+            (block_table.scalar_type() == at::kInt || block_table.scalar_type() == at::kLong),
+        "plan_step: the block table must be int32 or int64 [R, W] on the host, rows contiguous");
+  r.W = block_table.size(1);
+  r.row_step = block_table.stride(0);
+  if (block_table.scalar_type() == at::kInt) r.table32 = block_table.const_data_ptr<int32_t>();
+  else r.table64 = block_table.const_data_ptr<int64_t>();
+  r.starts = host_ints(starts, r.R + 1, "starts");
+  r.lengths = host_ints(lengths, r.R, "lengths");
+  r.slot_before = host_ints(slot_before, r.R, "slot_before");
+  r.slot_after = host_ints(slot_after, r.R, "slot_after");
+  for (int64_t i = 0; i < r.R; ++i) {
+    const int64_t fresh = r.starts[i + 1] - r.starts[i], past = r.lengths[i] - fresh;
+    check(r.starts[0] == 0 && fresh >= 0 && past >= 0 && r.lengths[i] <= r.W * r.B,
+          "plan_step: rows must start at token 0, in order, within their block table");
+    r.fresh.push_back(fresh);
+    r.past.push_back(past);
+    r.opened.push_back(past / group);
+    r.staged.push_back(past % group);
+    r.done.push_back(r.lengths[i] / group);
+  }
+  const PlanArrays a = plan_arrays(r, {fused, exact, by_op, token_values, sums, selects});
+  // the parts the step has (None: a group that does not run, or an array its readers skip)
+  const bool writes_by_op = by_op, staged_here = !by_op;
+  const std::vector<PlanPart> parts = {
+      {&a.stage_at, 0, writes_by_op}, {&a.staged, 0, staged_here},
+      {&a.staged_at, 0, staged_here}, {&a.value_at, 0, token_values},
+      {&a.pages, 0, a.has_seals}, {&a.first_pages, 0, a.has_seals}, {&a.tokens, 0, a.has_seals},
+      {&a.tokens_at, 0, a.has_seals}, {&a.carried, 0, a.has_seals},
+      {&a.carried_at, 0, a.has_seals}, {&a.firsts, 0, a.has_seals},
+      {&a.restart, 0, a.has_sums}, {&a.sum_tokens, 0, a.has_sums}, {&a.into, 0, a.has_sums},
+      {&a.sealed, 0, a.has_sums}, {&a.sum_carried, 0, a.has_sums},
+      {&a.row_tokens, 0, a.has_rows}, {&a.table, a.M, a.has_rows}, {&a.held, a.M, a.has_rows},
+      {&a.counts, 0, a.has_rows}, {&a.floats, 4, a.has_rows},
+      {&a.own_pages, 0, a.has_rows && token_values}};
+  const std::vector<std::optional<Tensor>> arrays = views_of_one(parts);  // its own storage
+  std::optional<c10::intrusive_ptr<StepRows>> rows;
+  if (step_rows && a.has_rows) {
+    const Tensor stage_at = by_op ? *arrays[0] : at::full({a.N}, -1, at::kLong);
+    rows = c10::make_intrusive<StepRows>(*arrays[17], *arrays[18], *arrays[19], *arrays[20],
+                                         stage_at, arrays[21], arrays[4], arrays[8], arrays[9],
+                                         arrays[6], arrays[7], group);
+  }
+  std::vector<int64_t> facts = {a.N, a.E, a.has_seals, a.has_sums, a.has_rows, a.every_token,
+                                a.all_staged, int64_t(a.firsts.size())};
+  facts.insert(facts.end(), a.row_firsts.begin(), a.row_firsts.end());
+  return {arrays, facts, rows};
+}
+
 // The kernels this build holds: "avx512-vnni" (integer dot products) or "float".
 std::string simd() {
 #ifdef KVMIX_VNNI
@@ -1146,6 +1222,11 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
       "Tensor(d!)? out=None) -> Tensor");
   m.def(
+      "plan_step(Tensor starts, Tensor lengths, Tensor block_table, Tensor slot_before, "
+      "Tensor slot_after, int group, int block_size, bool fused, bool exact, bool by_op, "
+      "bool token_values, bool sums, bool selects, bool step_rows) -> "
+      "(Tensor?[], int[], __torch__.torch.classes.kvmix.StepRows?)");
+  m.def(
       "step(Tensor query, float scale, Tensor(a!) staging_keys, Tensor(b!) staging_values, "
       "__torch__.torch.classes.kvmix.StepRows rows, Tensor keys, Tensor values, "
       "__torch__.torch.classes.kvmix.PagePool pool, Tensor(c!)[] key_fields, "
@@ -1159,6 +1240,7 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode", &decode);
   m.impl("decode_batch", &decode_batch);
   m.impl("step", &step);
+  m.impl("plan_step", &plan_step);
   m.impl("quantize", &quantize);
   m.impl("quantize_mixed", &quantize_mixed);
   m.impl("encode_pages", &encode_pages);
