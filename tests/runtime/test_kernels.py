@@ -18,6 +18,7 @@ from helpers import FAST, HQ, D, H, compare_rows, make, method_string
 from torch.overrides import TorchFunctionMode
 
 import kvmix
+from kvmix.core.importance import selected_channels
 from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import map_tensors, tagged_tensors
 from kvmix.methods import Blocks, method_classes, parse_method
@@ -465,15 +466,17 @@ def test_groups_encoded_into_pages_are_what_encode_stores(built, name, layout, d
 
 def encoded_into_pages(method, encoding, groups, pages, P, g) -> None:
     _, E, _, G, _ = groups.shape  # [2, E, H, G, D]
-    selection = None
-    if encoding.index is not None:
+    selection, channels = None, encoding.channels
+    if channels is not None:
         queries = torch.randn(E, HQ, G, D, generator=g).to(groups.dtype)
         selection = method.select(queries, groups[0], 0, groups[1])
     with fused_encoding(None):  # torch's encoder: the reference
         expected = Blocks(*method.encode(groups[0], groups[1], 0, selection))
     for keys_only in (False, True):
         stored = map_tensors(expected, lambda t: torch.zeros(P, *t.shape[1:], dtype=t.dtype))
-        index = None if encoding.index is None else encoding.index(selection)
+        index = None if channels is None else selected_channels(
+            selection.bits, H, channels.units, channels.pairs, channels.count)
+        assert index is None or torch.equal(index, method.high_index(selection))
         values = [] if keys_only else [stored.values.codes, stored.values.scale,
                                        stored.values.minimum]
         cpu.call("encode_pages", [getattr(stored.keys, f) for f in encoding.key_fields], values,
@@ -519,7 +522,7 @@ def test_step_rows_refuse_arrays_that_do_not_describe_one_step(built):
     K, M, N = 3, 2, 4
     table, counts = torch.zeros(K, M, dtype=torch.long), torch.zeros(K, dtype=torch.long)
     floats, stage_at = torch.zeros(K, 4, dtype=torch.long), torch.full((N,), -1)
-    seals = [torch.zeros(1, dtype=torch.long)] * 5
+    seals = [torch.zeros(1, dtype=torch.long)] * 6
     rows = torch.classes.kvmix.StepRows(table, table, counts, floats, stage_at, None, *seals, 8)
     assert rows is not None
     with pytest.raises(RuntimeError, match=r"table, held \[K, M\], counts \[K\]"):
@@ -530,7 +533,7 @@ def test_step_rows_refuse_arrays_that_do_not_describe_one_step(built):
                                      *seals, 8)
     with pytest.raises(RuntimeError, match="seals come with their pages"):
         torch.classes.kvmix.StepRows(table, table, counts, floats, stage_at, None,
-                                     *seals[:4], None, 8)
+                                     *seals[:5], None, 8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])

@@ -9,7 +9,6 @@ at prefill (``select``). It never sees the cache, the model or transformers.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -95,10 +94,22 @@ class KernelView:
 
 
 @dataclass(frozen=True)
+class SelectedChannels:
+    """Where a group's high channels come from: its selection's ``bits`` (one bit per head and
+    unit, packed [B, H·units/8]; PN-Mix's ``PairMask``), each head's first ``count`` channels,
+    selected ones first (``importance.selected_channels``); ``units`` per head, RoPE ``pairs``
+    [units, 2] (both channels of a selected pair; None: the units are channels)."""
+
+    units: int
+    pairs: torch.Tensor | None
+    count: int
+
+
+@dataclass(frozen=True)
 class PageEncoding:
     """How ``encode`` stores a block, for an encoder that writes blocks straight into their
     pages (the CPU op's ``encode_pages``): keys per channel over the block's tokens, each
-    group's high channels (``index`` of its selection, [B, H, k]; None: no channel is high) at
+    group's high channels (its selection's ``channels``; None: no channel is high) at
     ``high_bits`` (min-max) and the others at ``low_bits`` (bin-center where ``center``);
     values per token at ``value_bits`` over ``value_group`` channels. ``key_fields`` name the
     key state's codes, scale, minimum (and the high channels' codes) in that order."""
@@ -109,7 +120,7 @@ class PageEncoding:
     value_bits: int
     value_group: int
     key_fields: tuple[str, ...]
-    index: Callable[[Any], torch.Tensor] | None = None
+    channels: SelectedChannels | None = None
 
 
 @dataclass

@@ -56,6 +56,7 @@ from kvmix.methods.base import (
     PageEncoding,
     PerTokenValues,
     Plane,
+    SelectedChannels,
     choice,
     every_channel,
     require_pairs,
@@ -245,9 +246,12 @@ class PNMix(PerTokenValues):
     def page_encoding(self, layer: int) -> PageEncoding | None:
         if self.selection == "online":  # each block's indices stored: encode alone
             return None
+        dim = self.spec.head_dim
+        units = dim // 2 if self.criterion in PAIR_CRITERIA else dim
         return PageEncoding(self.low_bits, self.high_bits, self.center, self.value_bits,
                             self.value_group, ("low", "scale", "minimum", "high"),
-                            self.high_index)
+                            SelectedChannels(units, self.spec.pairs if units < dim else None,
+                                             self.high_channels(dim)))
 
     def unfused(self) -> str:
         return "pnmix:selection=online picks each block's channels (the reference path)" \

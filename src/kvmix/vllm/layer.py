@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from kvmix.core import fused
+from kvmix.core.importance import selected_channels
 from kvmix.core.quantizers import fused_encoding
 from kvmix.core.tree import at_paths, map_tensors, tensor_paths
 from kvmix.methods import Blocks
@@ -103,9 +104,7 @@ class LayerCache:
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
         self.encoding = _page_encoding(method, layer, self.kernels, spec.head_dim)
-        self._encoder = None if self.encoding is None else torch.classes.kvmix.PageEncoding(
-            self.encoding.low_bits, self.encoding.high_bits, self.encoding.center,
-            self.encoding.value_bits, self.encoding.value_group)
+        self._encoder = None if self.encoding is None else _op_encoding(self.encoding)
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -124,11 +123,11 @@ class LayerCache:
                  "selection": (self.pages.selection, template.selection)}
         self._fields = {name: (at_paths(pages, tensor_paths(shape)), tensor_paths(shape))
                         for name, (pages, shape) in parts.items()}
-        if self.encoding is not None:  # what encode_pages writes, in its order
-            keys, values = self.pages.blocks.keys, self.pages.blocks.values
+        if self.encoding is not None:  # what encode_pages writes, in its order, and where
+            keys, values = self.pages.blocks.keys, self.pages.blocks.values  # selections go
             self._encoded = ([getattr(keys, name) for name in self.encoding.key_fields],
                              [values.codes, values.scale, values.minimum]
-                             if self.staged_values else [])
+                             if self.staged_values else [], self._fields["selection"][0])
         if not self.staged_values:  # the pages' values as per-token groups (values="token")
             values = map_tensors(self.pages.blocks.values, lambda t: t.unsqueeze(0))
             self._value_groups = token_groups(values, self.head_dim // values.scale.shape[-2])
@@ -190,7 +189,7 @@ class LayerCache:
     # -- attend --------------------------------------------------------------------------------
 
     def _attend(self, plan: StepPlan, query, tokens, scale: float, output,
-                sealing: tuple = ([], [], None, None)) -> None:
+                sealing: tuple = ([], [], [], None)) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row), each reading its own group's floats where they
         lie (``KernelRows.floats``): the staging, then the step's ``tokens`` — laid out
@@ -320,23 +319,17 @@ class LayerCache:
 
     def _sealing(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None) -> tuple:
         """How the CPU op's ``kvmix::step`` seals the step's groups: (key fields, value fields,
-        encoding, index) where it encodes them into their pages itself, the selection each
-        copies from its row's first page written here; else nothing, the groups sealed here
+        selection fields, encoding) where it encodes them into their pages itself (each copies
+        its row's selection from its first page there); else nothing, the groups sealed here
         first (a method without a page encoding; a row's first group sealed now, whose
         selection is chosen from its tokens)."""
         seals = plan.seals
         if seals is None:
-            return [], [], None, None
-        selects = self.pages.selection is not None
-        if self.encoding is None or (selects and seals.selects):
+            return [], [], [], None
+        if self.encoding is None or (self.pages.selection is not None and seals.selects):
             self._seal(plan, query, key, value, sums)
-            return [], [], None, None
-        index = None
-        if selects:
-            selection = self._selection(seals.first_pages)
-            self._write("selection", selection, seals.pages)  # self-describing pages
-            index = self._index(selection)
-        return (*self._encoded, self._encoder, index)
+            return [], [], [], None
+        return (*self._encoded, self._encoder)
 
     def _seal(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None,
               kv: torch.Tensor | None = None) -> None:
@@ -367,18 +360,13 @@ class LayerCache:
     def _encode_pages(self, groups: torch.Tensor, pages: torch.Tensor, selection: Any) -> None:
         """groups [2 (1: keys only), E, H, G, D] encoded by the CPU op straight into entries
         ``pages`` [E] of the pages, as ``encode`` and ``_write`` would store them."""
-        encoding = self.encoding
-        cpu.call("encode_pages", *self._encoded, groups, pages, self._index(selection),
-                 encoding.low_bits, encoding.high_bits, encoding.center, encoding.value_bits,
-                 encoding.value_group)
-
-    def _index(self, selection: Any) -> torch.Tensor | None:
-        """The high channels [E, H, k] of the sealed groups' ``selection`` (their rows' first
-        pages'), where the page encoding mixes widths."""
-        if self.encoding.index is None:
-            return None
-        with fused_encoding("cpu"):
-            return self.encoding.index(selection)
+        encoding, channels, index = self.encoding, self.encoding.channels, None
+        if channels is not None:  # the high channels [E, H, k] of their selection
+            with fused_encoding("cpu"):
+                index = selected_channels(selection.bits, self.staging.keys.shape[1],
+                                          channels.units, channels.pairs, channels.count)
+        cpu.call("encode_pages", *self._encoded[:2], groups, pages, index, encoding.low_bits,
+                 encoding.high_bits, encoding.center, encoding.value_bits, encoding.value_group)
 
     def _write(self, part: str, state: Any, pages: torch.Tensor) -> None:
         """``state`` (tensors [E, ...], shaped as the pages' ``part``: ``blocks``, their
@@ -492,6 +480,16 @@ def _page_encoding(method, layer: int, kernels: str, head_dim: int) -> PageEncod
     groups = (method.group, encoding.value_group)
     takes = all(8 <= n <= fused.CPU_MAX_GROUP and n & (n - 1) == 0 for n in groups)
     return encoding if takes and head_dim % encoding.value_group == 0 else None
+
+
+def _op_encoding(encoding: PageEncoding) -> Any:
+    """``encoding`` as ``kvmix::step`` reads it (``PageEncoding``)."""
+    channels = encoding.channels
+    return torch.classes.kvmix.PageEncoding(
+        encoding.low_bits, encoding.high_bits, encoding.center, encoding.value_bits,
+        encoding.value_group, 0 if channels is None else channels.units,
+        None if channels is None or channels.pairs is None else channels.pairs.long().contiguous(),
+        0 if channels is None else channels.count)
 
 
 def _changes(transform, layer: int, probe: torch.Tensor) -> bool:

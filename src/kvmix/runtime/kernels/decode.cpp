@@ -156,15 +156,19 @@ struct PagePool : torch::CustomClassHolder {
 };
 
 // How a method stores a sealed group in its pages (the Python PageEncoding): keys per channel
-// over the group's tokens, the selection's high channels at `high` bits and the others at
-// `low` (bin-center where `center`), values per token at `value_bits` over `value_group`
-// channels.
+// over the group's tokens, the high channels at `high` bits and the others at `low`
+// (bin-center where `center`), values per token at `value_bits` over `value_group` channels.
+// Where high > low, a group's high channels come from its selection's bits (the Python
+// SelectedChannels): each head's first `count` channels, selected ones first, of `units` a
+// head (RoPE `pairs` [units, 2]: both channels of a selected pair; none: units are channels).
 struct PageEncoding : torch::CustomClassHolder {
-  int64_t low, high, value_bits, value_group;
+  int64_t low, high, value_bits, value_group, units, count;
   bool center;
-  PageEncoding(int64_t low, int64_t high, bool center, int64_t value_bits, int64_t value_group)
-      : low(low), high(high), value_bits(value_bits), value_group(value_group),
-        center(center) {}
+  std::optional<Tensor> pairs;
+  PageEncoding(int64_t low, int64_t high, bool center, int64_t value_bits, int64_t value_group,
+               int64_t units, std::optional<Tensor> pairs, int64_t count)
+      : low(low), high(high), value_bits(value_bits), value_group(value_group), units(units),
+        count(count), center(center), pairs(std::move(pairs)) {}
 };
 
 // A vLLM step as kvmix::step reads it, built once per step by the plugin's plan and passed by
@@ -173,20 +177,23 @@ struct PageEncoding : torch::CustomClassHolder {
 // [K, 4]: start and count in the staging, then in the step's tokens); where each of the N new
 // tokens is staged (stage_at [N], -1: its group is sealed now); with values="token" each
 // row's own page (own_pages [K]). The E groups the step seals, where it seals any: their pages
-// (seal_pages [E]) and their tokens, staged ones at staging positions `carried` [c] and the
-// step's `tokens` [e], at token slots `carried_at` and `tokens_at` (entry · G + offset).
+// (seal_pages [E]), their rows' first pages (first_pages [E]: the selection they copy) and
+// their tokens, staged ones at staging positions `carried` [c] and the step's `tokens` [e], at
+// token slots `carried_at` and `tokens_at` (entry · G + offset).
 struct StepRows : torch::CustomClassHolder {
   Tensor table, held, counts, floats, stage_at;
-  std::optional<Tensor> own_pages, seal_pages, carried, carried_at, tokens, tokens_at;
+  std::optional<Tensor> own_pages, seal_pages, first_pages, carried, carried_at, tokens,
+      tokens_at;
   int64_t group;
   StepRows(Tensor table, Tensor held, Tensor counts, Tensor floats, Tensor stage_at,
            std::optional<Tensor> own_pages, std::optional<Tensor> seal_pages,
-           std::optional<Tensor> carried, std::optional<Tensor> carried_at,
-           std::optional<Tensor> tokens, std::optional<Tensor> tokens_at, int64_t group)
+           std::optional<Tensor> first_pages, std::optional<Tensor> carried,
+           std::optional<Tensor> carried_at, std::optional<Tensor> tokens,
+           std::optional<Tensor> tokens_at, int64_t group)
       : table(std::move(table)), held(std::move(held)), counts(std::move(counts)),
         floats(std::move(floats)), stage_at(std::move(stage_at)), own_pages(std::move(own_pages)),
-        seal_pages(std::move(seal_pages)), carried(std::move(carried)),
-        carried_at(std::move(carried_at)), tokens(std::move(tokens)),
+        seal_pages(std::move(seal_pages)), first_pages(std::move(first_pages)),
+        carried(std::move(carried)), carried_at(std::move(carried_at)), tokens(std::move(tokens)),
         tokens_at(std::move(tokens_at)), group(group) {
     // shapes and types once a step; the values are checked where they are read
     const int64_t K = this->counts.numel();
@@ -203,9 +210,14 @@ struct StepRows : torch::CustomClassHolder {
                                           this->own_pages->numel() == K)),
                 "kvmix: step rows must be int64 CPU tensors: table, held [K, M], counts [K], "
                 "floats [K, 4], stage_at [N] (own_pages [K])");
-    TORCH_CHECK(seals == this->carried.has_value() && seals == this->carried_at.has_value() &&
-                    seals == this->tokens.has_value() && seals == this->tokens_at.has_value(),
-                "kvmix: a step's seals come with their pages, carried tokens and step tokens");
+    TORCH_CHECK(seals == this->first_pages.has_value() && seals == this->carried.has_value() &&
+                    seals == this->carried_at.has_value() && seals == this->tokens.has_value() &&
+                    seals == this->tokens_at.has_value(),
+                "kvmix: a step's seals come with their pages, first pages, carried tokens and "
+                "step tokens");
+    TORCH_CHECK(!seals || (ints(*this->seal_pages) && ints(*this->first_pages) &&
+                           this->first_pages->sizes() == this->seal_pages->sizes()),
+                "kvmix: seal pages and first pages must be int64 [E]");
   }
 };
 
@@ -990,6 +1002,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_mixed(const Tensor& keys, co
   return {low_plane, refine, scale, minimum};
 }
 
+// One head's row of a selection (`units` bits, packed as packing.pack packs them; `pair`
+// [units, 2]: both channels of a selected pair, or none: units are channels) -> its first
+// `count` channels, selected ones first, ascending, into `at` [count].
+void head_channels(const uint8_t* row, int64_t units, const int64_t* pair, int64_t count,
+                   int64_t* at) {
+  const int64_t W = units / 8, D = pair ? 2 * units : units;
+  std::vector<uint8_t> chosen(D, 0);  // a head's channels
+  for (int64_t i = 0; i < units; ++i) {
+    if (!((row[i % W] >> (i / W)) & 1)) continue;
+    if (pair) chosen[pair[2 * i]] = chosen[pair[2 * i + 1]] = 1;
+    else chosen[i] = 1;
+  }
+  int64_t n = 0;
+  for (int want = 1; want >= 0 && n < count; --want)  // selected first, then the others
+    for (int64_t d = 0; d < D && n < count; ++d)
+      if (chosen[d] == want) at[n++] = d;
+  std::sort(at, at + n);
+}
+
 // kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
 // (rows of `units` bits as packing.pack packs them), units either channels or RoPE pairs
 // (`pairs` [units, 2] int64: both channels of a selected pair) -> each head's first `count`
@@ -1013,26 +1044,12 @@ Tensor selected_channels(const Tensor& bits, int64_t heads, int64_t units,
       check(pair[i] >= 0 && pair[i] < D, "pairs name a channel outside [0, 2·units)");
   }
   check(count >= 0 && count <= D, "count must be in [0, channels]");
-  const int64_t B = bits.size(0), W = units / 8;
+  const int64_t B = bits.size(0);
   Tensor out = at::empty({B, heads, count}, bits.options().dtype(at::kLong));
   const uint8_t* in = bits.data_ptr<uint8_t>();
   int64_t* o = out.data_ptr<int64_t>();
-  std::vector<uint8_t> chosen(D);
-  for (int64_t bh = 0; bh < B * heads; ++bh) {
-    const uint8_t* row = in + bh * W;
-    std::fill(chosen.begin(), chosen.end(), 0);
-    for (int64_t i = 0; i < units; ++i) {
-      if (!((row[i % W] >> (i / W)) & 1)) continue;
-      if (pair) chosen[pair[2 * i]] = chosen[pair[2 * i + 1]] = 1;
-      else chosen[i] = 1;
-    }
-    int64_t* at = o + bh * count;
-    int64_t n = 0;
-    for (int want = 1; want >= 0 && n < count; --want)  // selected first, then the others
-      for (int64_t d = 0; d < D && n < count; ++d)
-        if (chosen[d] == want) at[n++] = d;
-    std::sort(at, at + n);
-  }
+  for (int64_t bh = 0; bh < B * heads; ++bh)
+    head_channels(in + bh * (units / 8), units, pair, count, o + bh * count);
   return out;
 }
 
@@ -1057,25 +1074,79 @@ Tensor pack(const Tensor& codes, int64_t bits) {
 
 }  // namespace
 
+// The selections of the E groups a step seals: each of the pages' selection fields [P, ...]
+// (none: the method keeps none) copied from the group's row's first page to its page (pages
+// describe themselves), and where the encoding mixes widths each group's high channels
+// [E, H, count], from the first page's bits (selection[0], [P, H·units/8] uint8).
+std::optional<Tensor> copy_selections(const std::vector<Tensor>& selection, const Tensor& pages,
+                                      const Tensor& first_pages, const PageEncoding& how,
+                                      int64_t H) {
+  const int64_t E = pages.numel();
+  const int64_t* to = data<int64_t>(pages, "seal pages");
+  const int64_t* from = data<int64_t>(first_pages, "first pages");
+  for (const Tensor& field : selection) {
+    check(field.is_contiguous() && field.dim() >= 1 && field.device().is_cpu(),
+          "a selection field must be contiguous [P, ...] on the CPU");
+    for (int64_t e = 0; e < E; ++e)
+      check(to[e] >= 0 && to[e] < field.size(0) && from[e] >= 0 && from[e] < field.size(0),
+            "seal pages and first pages must lie in the pool");
+  }
+  for (const Tensor& field : selection) {
+    const size_t bytes = field.numel() / field.size(0) * field.element_size();
+    char* base = static_cast<char*>(field.data_ptr());
+    for (int64_t e = 0; e < E; ++e)
+      if (to[e] != from[e]) std::memcpy(base + to[e] * bytes, base + from[e] * bytes, bytes);
+  }
+  if (how.high == how.low) return std::nullopt;
+  const int64_t W = how.units / 8;
+  check(!selection.empty() && how.units > 0 && how.units % 8 == 0 &&
+            selection[0].scalar_type() == at::kByte && selection[0].dim() == 2 &&
+            selection[0].size(1) == H * W,
+        "mixed widths need the pages' selection bits, uint8 [P, H·units/8]");
+  const int64_t* pair = nullptr;
+  if (how.pairs) {
+    check(how.pairs->dim() == 2 && how.pairs->size(0) == how.units && how.pairs->size(1) == 2,
+          "pairs must be int64 [units, 2]");
+    pair = data<int64_t>(*how.pairs, "pairs");
+  }
+  const int64_t D = pair ? 2 * how.units : how.units;
+  check(how.count >= 0 && how.count <= D, "count must be in [0, channels]");
+  if (pair)
+    for (int64_t i = 0; i < 2 * how.units; ++i)
+      check(pair[i] >= 0 && pair[i] < D, "pairs name a channel outside [0, 2·units)");
+  Tensor index = at::empty({E, H, how.count}, first_pages.options());
+  const uint8_t* bits = selection[0].data_ptr<uint8_t>();
+  int64_t* at = index.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t h = 0; h < H; ++h)
+      head_channels(bits + (from[e] * H + h) * W, how.units, pair, how.count,
+                    at + (e * H + h) * how.count);
+  return index;
+}
+
 // kvmix::step: one layer's whole vLLM step on the CPU, in one call (`rows` the step's
-// StepRows, built once for every layer): the groups the step seals gathered from the staging
-// [1, H, T, D] (keys, and values unless `value_fields` is empty: values="token") and the
-// step's keys, values [N, H, D] (seal_tokens), encoded straight into their pages (encode_pages
-// into `key_fields` and `value_fields`, channels `index` [E, H, k] high where the encoding
-// mixes widths) where `encoding` is given (else the caller sealed them before); then every
-// kernel row attends to its pages and its own group's floats, and the new tokens still open
-// are staged (decode_batch: query [K, Hq, D] -> [K, Hq, D] float32, or into `out`).
+// StepRows, built once for every layer): where `encoding` is given (else the caller sealed them
+// before), the groups the step seals copy their row's selection into their pages' `selection`
+// fields (copy_selections: the high channels where the encoding mixes widths), are gathered
+// from the staging [1, H, T, D] (keys, and values unless `value_fields` is empty:
+// values="token") and the step's keys, values [N, H, D] (seal_tokens) and encoded straight
+// into their pages (encode_pages into `key_fields` and `value_fields`); then every kernel row
+// attends to its pages and its own group's floats, and the new tokens still open are staged
+// (decode_batch: query [K, Hq, D] -> [K, Hq, D] float32, or into `out`).
 Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
             const Tensor& staging_values, const c10::intrusive_ptr<StepRows>& rows,
             const Tensor& keys, const Tensor& values, const c10::intrusive_ptr<PagePool>& pool,
             const std::vector<Tensor>& key_fields, const std::vector<Tensor>& value_fields,
+            const std::vector<Tensor>& selection,
             const std::optional<c10::intrusive_ptr<PageEncoding>>& encoding,
-            const std::optional<Tensor>& index, const std::optional<Tensor>& out) {
+            const std::optional<Tensor>& out) {
   const StepRows& r = *rows;
   if (encoding && r.seal_pages) {
     Stopwatch clock;
     const PageEncoding& how = **encoding;
     const int64_t E = r.seal_pages->numel();
+    const std::optional<Tensor> index =
+        copy_selections(selection, *r.seal_pages, *r.first_pages, how, staging_keys.size(1));
     const std::optional<Tensor> staged_values =
         value_fields.empty() ? std::nullopt : std::optional<Tensor>(staging_values);
     const Tensor groups = seal_tokens(staging_keys, staged_values, keys, values, *r.carried,
@@ -1155,8 +1226,8 @@ plan_step(
   if (step_rows && a.has_rows) {
     const Tensor stage_at = by_op ? *arrays[0] : at::full({a.N}, -1, at::kLong);
     rows = c10::make_intrusive<StepRows>(*arrays[17], *arrays[18], *arrays[19], *arrays[20],
-                                         stage_at, arrays[21], arrays[4], arrays[8], arrays[9],
-                                         arrays[6], arrays[7], group);
+                                         stage_at, arrays[21], arrays[4], arrays[5], arrays[8],
+                                         arrays[9], arrays[6], arrays[7], group);
   }
   std::vector<int64_t> facts = {a.N, a.E, a.has_seals, a.has_sums, a.has_rows, a.every_token,
                                 a.all_staged, int64_t(a.firsts.size())};
@@ -1182,11 +1253,13 @@ TORCH_LIBRARY(kvmix, m) {
   m.class_<PagePool>("PagePool")
       .def(torch::init<std::optional<Tensor>, std::optional<Tensor>, Planes, Groups, Groups>());
   m.class_<PageEncoding>("PageEncoding")
-      .def(torch::init<int64_t, int64_t, bool, int64_t, int64_t>());
+      .def(torch::init<int64_t, int64_t, bool, int64_t, int64_t, int64_t, std::optional<Tensor>,
+                       int64_t>());
   m.class_<StepRows>("StepRows")
       .def(torch::init<Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>,
                        std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
-                       std::optional<Tensor>, std::optional<Tensor>, int64_t>());
+                       std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
+                       int64_t>());
   m.def("simd() -> str", &simd);
   m.def("op_timings() -> Tensor", &op_timings);
   m.def("op_parts() -> str", &op_parts);
@@ -1230,8 +1303,8 @@ TORCH_LIBRARY(kvmix, m) {
       "step(Tensor query, float scale, Tensor(a!) staging_keys, Tensor(b!) staging_values, "
       "__torch__.torch.classes.kvmix.StepRows rows, Tensor keys, Tensor values, "
       "__torch__.torch.classes.kvmix.PagePool pool, Tensor(c!)[] key_fields, "
-      "Tensor(d!)[] value_fields, __torch__.torch.classes.kvmix.PageEncoding? encoding, "
-      "Tensor? index, Tensor(e!)? out=None) -> Tensor");
+      "Tensor(d!)[] value_fields, Tensor(e!)[] selection, "
+      "__torch__.torch.classes.kvmix.PageEncoding? encoding, Tensor(f!)? out=None) -> Tensor");
   m.def("put_values(Tensor(a!) codes, Tensor(b!) scale, Tensor(c!) minimum, Tensor values, "
         "ScalarType staging, Tensor value_at, int bits, int value_group, int group) -> ()");
 }
