@@ -203,8 +203,12 @@ class KvmixImpl(AttentionImpl[KvmixMetadata]):
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("kvmix: fused output quantization is not supported")
         cache = self._cache(layer, kv_cache)
-        n = attn_metadata.plan.tokens  # the step's tokens (any padding vLLM adds is after them)
-        cache.step(attn_metadata.plan, query[:n], key[:n], value[:n], self.scale, output[:n])
+        plan = attn_metadata.plan
+        n = plan.tokens  # the step's tokens (any padding vLLM adds is after them)
+        if n == query.shape[0]:
+            cache.step(plan, query, key, value, self.scale, output)
+        else:
+            cache.step(plan, query[:n], key[:n], value[:n], self.scale, output[:n])
         return output
 
     def _cache(self, layer: AttentionLayer, kv_cache: torch.Tensor) -> LayerCache:
