@@ -4,11 +4,13 @@ float staging of each running sequence's open group, and a step's work on them.
 The staging is a ``SlotArena``, the storage of kvmix's own sinks and residuals: one extent of
 ``group`` slots per running sequence, in the staging dtype.
 
-A step (``StepPlan``, planned once for every layer) runs in three parts:
+A step (``StepPlan``, planned once for every layer) runs in three parts — with the CPU op, in
+one call of ``kvmix::step`` (its seals in it where the method has a page encoding and no row's
+first group is sealed):
 
 1. seal — every group completed this step (staged tokens and new ones) encoded in one
-   ``encode`` call and written into its page; a row's first group first picks the row's
-   selection from its tokens' queries and keys, later groups copy it from the first page;
+   call and written into its page; a row's first group first picks the row's selection from
+   its tokens' queries and keys, later groups copy it from the first page;
 2. attend — every token over the packed groups before its own (its pages) and its own group's
    floats up to it (staged, then new), as a decode at its position sees them: one call of
    kvmix's fused CPU op (on CUDA, its Triton kernels: two launches) over vLLM's block table

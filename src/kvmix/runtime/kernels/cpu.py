@@ -11,8 +11,11 @@ planes: 16-bit precision relative to each block's largest weight, the one error 
 float kernels' arithmetic (``describe`` says which kernels run).
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
 sequence's float slots and its pages in the layer's pool, read through the block table. The
-library also holds the vLLM plugin's step ops: ``seal_tokens`` and ``write_pages`` (a step's
-sealed groups gathered, and their pages written) and ``put_values`` (values by token).
+library also holds the vLLM plugin's step ops: ``plan_step`` (a step's plan, once for every
+layer), ``step`` (a layer's step in one call: its seals encoded into their pages, then
+``decode_batch``), ``seal_tokens`` and ``write_pages`` (a step's sealed groups gathered, and
+their pages written, where the method has no page encoding) and ``put_values`` (values by
+token).
 Flags: ``-O3 -march=native`` (the cache key holds the CPU); never ``-ffast-math`` (masked
 scores are -inf). Threads come from torch's own pool: ``at::parallel_for`` is inline OpenMP in
 torch's build, so the op is built with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy
