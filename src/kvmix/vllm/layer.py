@@ -6,7 +6,8 @@ The staging is a ``SlotArena``, the storage of kvmix's own sinks and residuals: 
 
 A step (``StepPlan``, planned once for every layer) runs in three parts — with the CPU op, in
 one call of ``kvmix::step`` (its seals in it where the method has a page encoding and no row's
-first group is sealed):
+first group is sealed; with ``prefill="exact"``, a step with a prompt's first chunk seals
+before it and stages after it):
 
 1. seal — every group completed this step (staged tokens and new ones) encoded in one
    call and written into its page; a row's first group first picks the row's selection from
@@ -52,6 +53,7 @@ from kvmix.vllm.plan import Chunk, KernelRows, Readers, StepPlan
 from kvmix.vllm.settings import Refused, Settings
 
 logger = logging.getLogger("vllm.kvmix")  # under vLLM's logger: in `vllm serve`'s log
+SEALED = ([], [], [], None)  # kvmix::step's seal arguments where it seals nothing
 
 
 @dataclass
@@ -106,7 +108,7 @@ class LayerCache:
         self._views: tuple[Any, batch.PoolView | None] = (None, None)
         self._selected = 0  # selections written so far: a page's may change when it is reused
         self.encoding = _page_encoding(method, layer, self.kernels, spec.head_dim)
-        self._encoder = None if self.encoding is None else _op_encoding(self.encoding)
+        self._encoder = None if self.encoding is None else _op_encoding(self.encoding, dtype)
 
     # -- binding -------------------------------------------------------------------------------
 
@@ -125,8 +127,8 @@ class LayerCache:
                  "selection": (self.pages.selection, template.selection)}
         self._fields = {name: (at_paths(pages, tensor_paths(shape)), tensor_paths(shape))
                         for name, (pages, shape) in parts.items()}
-        if self.encoding is not None:  # what encode_pages writes, in its order, and where
-            keys, values = self.pages.blocks.keys, self.pages.blocks.values  # selections go
+        if self.encoding is not None:  # what encode_pages writes, in its order; selections
+            keys, values = self.pages.blocks.keys, self.pages.blocks.values
             self._encoded = ([getattr(keys, name) for name in self.encoding.key_fields],
                              [values.codes, values.scale, values.minimum]
                              if self.staged_values else [], self._fields["selection"][0])
@@ -158,7 +160,7 @@ class LayerCache:
         if not self.staged_values and plan.tokens:  # before any row reads its group's values
             self._put_values(plan, value)
         if plan.writes.by_op:  # the CPU op lays out and stages the tokens: none laid out here
-            sealing = self._sealing(plan, query, key, value, sums)
+            sealing = self._seal_here_or_in_op(plan, query, key, value, sums)
             self._attend(plan, query, (key, value), scale, output, sealing)
             return
         new = self._new_tokens(key, value)  # [2, H, N, D]
@@ -191,13 +193,13 @@ class LayerCache:
     # -- attend --------------------------------------------------------------------------------
 
     def _attend(self, plan: StepPlan, query, tokens, scale: float, output,
-                sealing: tuple = ([], [], [], None)) -> None:
+                sealing: tuple = SEALED) -> None:
         """Every kernel row (a decode's token, a fused chunk's tokens) in one call of the fused
         kernels (or, without them, row by row), each reading its own group's floats where they
         lie (``KernelRows.floats``): the staging, then the step's ``tokens`` — laid out
         [2, H, N, D] in the staging dtype, or, for the CPU op to lay out, (key, value)
         [N, H, D]. The CPU op's call (``kvmix::step``) first seals the step's groups where
-        ``sealing`` says how (``_sealing``), and stages the new tokens where
+        ``sealing`` says how (``_seal_here_or_in_op``), and stages the new tokens where
         ``plan.writes.by_op``."""
         rows = plan.rows
         if self.kernels == "torch":
@@ -319,7 +321,8 @@ class LayerCache:
 
     # -- seal and stage ------------------------------------------------------------------------
 
-    def _sealing(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None) -> tuple:
+    def _seal_here_or_in_op(self, plan: StepPlan, query, key, value,
+                            sums: torch.Tensor | None) -> tuple:
         """How the CPU op's ``kvmix::step`` seals the step's groups: (key fields, value fields,
         selection fields, encoding) where it encodes them into their pages itself (each copies
         its row's selection from its first page there); else nothing, the groups sealed here
@@ -327,10 +330,10 @@ class LayerCache:
         selection is chosen from its tokens)."""
         seals = plan.seals
         if seals is None:
-            return [], [], [], None
+            return SEALED
         if self.encoding is None or (self.pages.selection is not None and seals.selects):
             self._seal(plan, query, key, value, sums)
-            return [], [], [], None
+            return SEALED
         return (*self._encoded, self._encoder)
 
     def _seal(self, plan: StepPlan, query, key, value, sums: torch.Tensor | None,
@@ -481,17 +484,19 @@ def _page_encoding(method, layer: int, kernels: str, head_dim: int) -> PageEncod
         return None
     groups = (method.group, encoding.value_group)
     takes = all(8 <= n <= fused.CPU_MAX_GROUP and n & (n - 1) == 0 for n in groups)
-    return encoding if takes and head_dim % encoding.value_group == 0 else None
+    units = encoding.channels is None or encoding.channels.units % 8 == 0  # whole bytes a head
+    return encoding if takes and units and head_dim % encoding.value_group == 0 else None
 
 
-def _op_encoding(encoding: PageEncoding) -> Any:
-    """``encoding`` as ``kvmix::step`` reads it (``PageEncoding``)."""
+def _op_encoding(encoding: PageEncoding, dtype: torch.dtype) -> Any:
+    """``encoding`` as ``kvmix::step`` reads it (``PageEncoding``), groups encoded from their
+    tokens in the layer's ``dtype``."""
     channels = encoding.channels
     return torch.classes.kvmix.PageEncoding(
         encoding.low_bits, encoding.high_bits, encoding.center, encoding.value_bits,
         encoding.value_group, 0 if channels is None else channels.units,
         None if channels is None or channels.pairs is None else channels.pairs.long().contiguous(),
-        0 if channels is None else channels.count)
+        0 if channels is None else channels.count, dtype)
 
 
 def _changes(transform, layer: int, probe: torch.Tensor) -> bool:

@@ -446,22 +446,22 @@ def _host_plan(rows: Rows, slots: Slots, readers: Readers) -> StepPlan:
     every = readers.fused and not readers.exact  # every row a kernel row
     chunks = _chunks(rows, slots, None if every else _kernel_rows_of(rows, readers),
                      torch.device("cpu"))
-    by_op = not chunks and bool(rows.starts[-1] > 0)  # the op attends to and stages them all
+    by_op = not chunks and bool(rows.starts[-1] > rows.starts[0])  # it attends and stages all
     arrays, facts, step_rows = cpu.call(
         "plan_step", *(torch.from_numpy(a) for a in (rows.starts, rows.lengths, rows.block_table,
                                                      slots.before, slots.after)),
         rows.group, rows.block_size, readers.fused, readers.exact, by_op, readers.token_values,
-        readers.sums, readers.selects, True)
+        readers.sums, readers.selects)
     (stage_at, staged, staged_at, value_at, pages, first_pages, tokens, tokens_at, carried,
      carried_at, firsts, restart, sum_tokens, into, sealed, sum_carried, row_tokens, table, held,
      counts, floats, own_pages) = arrays
-    n, count, has_seals, has_sums, has_rows, every_token, all_staged, selecting = facts[:8]
+    n, count, has_seals, has_sums, has_rows, every_token, all_staged, first_groups = facts[:8]
     return StepPlan(
         tokens=n,
         writes=TokenWrites(stage_at, staged, staged_at, value_at, by_op=by_op,
                            all_staged=bool(all_staged)),
         seals=Seals(pages, first_pages, tokens, tokens_at, carried, carried_at, firsts,
-                    count=count, selects=selecting > 0) if has_seals else None,
+                    count=count, selects=first_groups > 0) if has_seals else None,
         sums=QuerySums(restart, sum_tokens, into, sealed.bool(), sum_carried)
         if has_sums else None,
         rows=KernelRows(row_tokens, table, held, counts, floats, own_pages,

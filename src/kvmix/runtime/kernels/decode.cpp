@@ -161,21 +161,24 @@ struct PagePool : torch::CustomClassHolder {
 // Where high > low, a group's high channels come from its selection's bits (the Python
 // SelectedChannels): each head's first `count` channels, selected ones first, of `units` a
 // head (RoPE `pairs` [units, 2]: both channels of a selected pair; none: units are channels).
+// Groups are encoded from their tokens in the layer's `dtype`, as its encode sees them.
 struct PageEncoding : torch::CustomClassHolder {
   int64_t low, high, value_bits, value_group, units, count;
   bool center;
   std::optional<Tensor> pairs;
+  at::ScalarType dtype;
   PageEncoding(int64_t low, int64_t high, bool center, int64_t value_bits, int64_t value_group,
-               int64_t units, std::optional<Tensor> pairs, int64_t count)
+               int64_t units, std::optional<Tensor> pairs, int64_t count, at::ScalarType dtype)
       : low(low), high(high), value_bits(value_bits), value_group(value_group), units(units),
-        count(count), center(center), pairs(std::move(pairs)) {}
+        count(count), center(center), pairs(std::move(pairs)), dtype(dtype) {}
 };
 
 // A vLLM step as kvmix::step reads it, built once per step by the plugin's plan and passed by
 // every layer (int64 tensors; `group` tokens a page). The K kernel rows: the pages before
 // each row's own group (table, held [K, M], counts [K]) and its own group's floats (floats
 // [K, 4]: start and count in the staging, then in the step's tokens); where each of the N new
-// tokens is staged (stage_at [N], -1: its group is sealed now); with values="token" each
+// tokens is staged (stage_at [N], -1: its group is sealed now, or the caller stages the
+// step's tokens itself: every entry -1); with values="token" each
 // row's own page (own_pages [K]). The E groups the step seals, where it seals any: their pages
 // (seal_pages [E]), their rows' first pages (first_pages [E]: the selection they copy) and
 // their tokens, staged ones at staging positions `carried` [c] and the step's `tokens` [e], at
@@ -1078,10 +1081,13 @@ Tensor pack(const Tensor& codes, int64_t bits) {
 // (none: the method keeps none) copied from the group's row's first page to its page (pages
 // describe themselves), and where the encoding mixes widths each group's high channels
 // [E, H, count], from the first page's bits (selection[0], [P, H·units/8] uint8).
+namespace {
+
 std::optional<Tensor> copy_selections(const std::vector<Tensor>& selection, const Tensor& pages,
                                       const Tensor& first_pages, const PageEncoding& how,
                                       int64_t H) {
   const int64_t E = pages.numel();
+  if (E == 0) return std::nullopt;
   const int64_t* to = data<int64_t>(pages, "seal pages");
   const int64_t* from = data<int64_t>(first_pages, "first pages");
   for (const Tensor& field : selection) {
@@ -1124,6 +1130,8 @@ std::optional<Tensor> copy_selections(const std::vector<Tensor>& selection, cons
   return index;
 }
 
+}  // namespace
+
 // kvmix::step: one layer's whole vLLM step on the CPU, in one call (`rows` the step's
 // StepRows, built once for every layer): where `encoding` is given (else the caller sealed them
 // before), the groups the step seals copy their row's selection into their pages' `selection`
@@ -1151,7 +1159,7 @@ Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
         value_fields.empty() ? std::nullopt : std::optional<Tensor>(staging_values);
     const Tensor groups = seal_tokens(staging_keys, staged_values, keys, values, *r.carried,
                                       *r.carried_at, *r.tokens, *r.tokens_at, E, r.group,
-                                      keys.scalar_type());  // [k, E, H, G, D]
+                                      how.dtype);  // [k, E, H, G, D]
     encode_pages(key_fields, value_fields, groups, *r.seal_pages, index, how.low, how.high,
                  how.center, how.value_bits, how.value_group);
     clock.lap(SEAL);
@@ -1169,15 +1177,14 @@ Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
 // first_pages, tokens, tokens_at, carried, carried_at, firsts; sums: restart, tokens, into,
 // sealed, carried; kernel rows: tokens, table, held, counts, floats, own_pages), None where the
 // step has none; its facts [N, E, has_seals, has_sums, has_rows, every_token, all_staged, F,
-// then where `selects` each kernel row's first page] and, where `step_rows`, the rows as
-// kvmix::step reads them.
+// then where `selects` each kernel row's first page] and, where it has kernel rows, the rows
+// as kvmix::step reads them.
 std::tuple<std::vector<std::optional<Tensor>>, std::vector<int64_t>,
            std::optional<c10::intrusive_ptr<StepRows>>>
 plan_step(
     const Tensor& starts, const Tensor& lengths, const Tensor& block_table,
     const Tensor& slot_before, const Tensor& slot_after, int64_t group, int64_t block_size,
-    bool fused, bool exact, bool by_op, bool token_values, bool sums, bool selects,
-    bool step_rows) {
+    bool fused, bool exact, bool by_op, bool token_values, bool sums, bool selects) {
   PlanRows r;
   r.R = lengths.numel();
   r.G = group;
@@ -1197,10 +1204,11 @@ plan_step(
   r.lengths = host_ints(lengths, r.R, "lengths");
   r.slot_before = host_ints(slot_before, r.R, "slot_before");
   r.slot_after = host_ints(slot_after, r.R, "slot_after");
+  check(r.starts[0] == 0, "plan_step: the step's tokens must start at 0");
   for (int64_t i = 0; i < r.R; ++i) {
     const int64_t fresh = r.starts[i + 1] - r.starts[i], past = r.lengths[i] - fresh;
-    check(r.starts[0] == 0 && fresh >= 0 && past >= 0 && r.lengths[i] <= r.W * r.B,
-          "plan_step: rows must start at token 0, in order, within their block table");
+    check(fresh >= 0 && past >= 0 && r.lengths[i] <= r.W * r.B,
+          "plan_step: rows must lie in order, within their block table");
     r.fresh.push_back(fresh);
     r.past.push_back(past);
     r.opened.push_back(past / group);
@@ -1223,7 +1231,7 @@ plan_step(
       {&a.own_pages, 0, a.has_rows && token_values}};
   const std::vector<std::optional<Tensor>> arrays = views_of_one(parts);  // its own storage
   std::optional<c10::intrusive_ptr<StepRows>> rows;
-  if (step_rows && a.has_rows) {
+  if (a.has_rows) {
     const Tensor stage_at = by_op ? *arrays[0] : at::full({a.N}, -1, at::kLong);
     rows = c10::make_intrusive<StepRows>(*arrays[17], *arrays[18], *arrays[19], *arrays[20],
                                          stage_at, arrays[21], arrays[4], arrays[5], arrays[8],
@@ -1254,7 +1262,7 @@ TORCH_LIBRARY(kvmix, m) {
       .def(torch::init<std::optional<Tensor>, std::optional<Tensor>, Planes, Groups, Groups>());
   m.class_<PageEncoding>("PageEncoding")
       .def(torch::init<int64_t, int64_t, bool, int64_t, int64_t, int64_t, std::optional<Tensor>,
-                       int64_t>());
+                       int64_t, at::ScalarType>());
   m.class_<StepRows>("StepRows")
       .def(torch::init<Tensor, Tensor, Tensor, Tensor, Tensor, std::optional<Tensor>,
                        std::optional<Tensor>, std::optional<Tensor>, std::optional<Tensor>,
@@ -1297,7 +1305,7 @@ TORCH_LIBRARY(kvmix, m) {
   m.def(
       "plan_step(Tensor starts, Tensor lengths, Tensor block_table, Tensor slot_before, "
       "Tensor slot_after, int group, int block_size, bool fused, bool exact, bool by_op, "
-      "bool token_values, bool sums, bool selects, bool step_rows) -> "
+      "bool token_values, bool sums, bool selects) -> "
       "(Tensor?[], int[], __torch__.torch.classes.kvmix.StepRows?)");
   m.def(
       "step(Tensor query, float scale, Tensor(a!) staging_keys, Tensor(b!) staging_values, "

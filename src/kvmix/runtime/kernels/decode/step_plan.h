@@ -98,7 +98,6 @@ PlanArrays plan_arrays(const PlanRows& r, const PlanFlags& f) {
     entry_start[i + 1] = entry_start[i] + count[i];
   }
   a.E = entry_start[R];
-  a.N = R ? r.starts[R] - r.starts[0] : 0;
   // the step's tokens: row, group, offset in it, sealed now, seal entry
   std::vector<int64_t> row, g, offset, entry;
   std::vector<char> sealing, kernel(R);
