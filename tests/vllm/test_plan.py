@@ -627,6 +627,50 @@ def test_the_op_librarys_plan_is_the_reference_plan(exact, token_values, sums, s
         {"chunks"} if exact else set()) | ({"sums"} if sums else set())
 
 
+def test_the_op_librarys_slot_book_is_the_page_slots_book(monkeypatch):
+    """``kvmix::assign_slots`` (the page-keyed staging book in one call) assigns what
+    ``PageSlots.assign`` does for random books and steps: found, opened, given back and
+    reclaimed slots, the book after the step, and the same refusal where a running row's open
+    group is gone or more groups open than there are slots."""
+    rng = np.random.default_rng(1)
+    seen = set()
+    reclaim = plan.PageSlots._reclaim
+    monkeypatch.setattr(plan.PageSlots, "_reclaim",
+                        lambda *a: seen.add("reclaimed") or reclaim(*a))
+    for trial in range(300):
+        slots, R = int(rng.integers(1, 9)), int(rng.integers(0, 7))
+        new = np.where(rng.random(R) < 0.6, 1, rng.integers(1, 3 * G, R))
+        lengths = rng.integers(0, 5 * G, R) + new
+        width = int(-(-lengths.max(initial=1) // BLOCK)) + 1
+        table = rng.permutation(R * width + 1)[1:].reshape(R, width).astype(np.int64)
+        rows = plan.Rows(np.concatenate([[0], np.cumsum(new)]).astype(np.int64),
+                         lengths.astype(np.int64), table, G, BLOCK)
+        book = plan.PageSlots(slots)
+        opened = rows.page(np.arange(R), rows.opened)  # some rows' open groups are in the book
+        held = np.concatenate([opened[rng.random(R) < 0.7], rng.integers(0, 99, slots)])
+        book.page_of = np.where(rng.random(slots) < 0.8, held[:slots], -1)
+        if len(set(book.page_of[book.page_of >= 0].tolist())) < (book.page_of >= 0).sum():
+            continue  # a page's open group is in one slot only
+        book.used, book.step = rng.integers(0, 9, slots), int(rng.integers(0, 9))
+        results = []
+        for assign in (book.assign, book.assign_by_op):
+            try:
+                results.append(assign(rows))
+            except plan.StagingLost as error:
+                results.append(str(error))
+        numpy, op = results
+        if isinstance(numpy, str):
+            seen.add("refused")
+            assert op == numpy
+            continue
+        seen.add("assigned")
+        for a, b in ((numpy.before, op.before), (numpy.after, op.after),
+                     (numpy.book.page_of, op.book.page_of), (numpy.book.used, op.book.used)):
+            assert a.tolist() == b.tolist(), trial
+        assert numpy.book.step == op.book.step
+    assert seen >= {"refused", "assigned", "reclaimed"}
+
+
 def test_micro_batching_is_refused_by_name():
     """vLLM's micro-batches (--enable-dbo, --ubatch-size) would plan two batches before either
     runs: kvmix plans one batch a step and refuses them at start-up."""

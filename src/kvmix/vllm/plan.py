@@ -140,7 +140,8 @@ class PageSlots:
     (it never attends to another sequence's tokens).
 
     ``assign`` is pure: it returns the step's slots and the book as it will be once the step
-    has run, which ``commit`` adopts."""
+    has run, which ``commit`` adopts; ``assign_by_op`` is the same assignment by the op
+    library, in one call."""
 
     def __init__(self, slots: int):
         self.slots = slots
@@ -155,8 +156,7 @@ class PageSlots:
         before[has] = self.find(rows.page(every[has], rows.opened[has]))
         lost = has & (before < 0)
         if lost.any():
-            raise StagingLost(f"kvmix: the open group of {int(lost.sum())} running request(s) "
-                              "was reclaimed while they were not scheduled; raise max_num_seqs")
+            raise _reclaimed(int(lost.sum()))
         sealing = rows.done > rows.opened
         tail = rows.lengths % rows.group > 0
         continuing = tail & ~sealing & has
@@ -172,6 +172,22 @@ class PageSlots:
                                    keep=before[continuing])
         book.touch(np.concatenate([before, after]))
         return Slots(before, after, book)
+
+    def assign_by_op(self, rows: Rows) -> Slots:
+        """``assign`` by the op library (``kvmix::assign_slots``), in one call."""
+        from kvmix.runtime.kernels import cpu
+
+        before, after, page_of, used, lost = cpu.call(
+            "assign_slots", *(torch.from_numpy(a) for a in (rows.starts, rows.lengths,
+                                                            rows.block_table, self.page_of,
+                                                            self.used)),
+            self.step, rows.group, rows.block_size)
+        if lost:
+            raise _reclaimed(lost) if lost > 0 else _too_few(-lost, self.slots)
+        book = PageSlots.__new__(PageSlots)
+        book.slots, book.step = self.slots, self.step + 1
+        book.page_of, book.used = page_of.numpy(), used.numpy()
+        return Slots(before.numpy(), after.numpy(), book)
 
     def commit(self, slots: Slots) -> None:
         """The step ``slots`` were assigned for has run: its book is the book."""
@@ -216,11 +232,20 @@ class PageSlots:
         held = np.flatnonzero(self.page_of >= 0)
         held = held[~np.isin(held, np.concatenate([keep, taking]))]
         if len(held) < count:
-            raise StagingLost(f"kvmix: {count} more open groups than staging slots "
-                              f"({self.slots}, one per running sequence): raise max_num_seqs")
+            raise _too_few(count, self.slots)
         oldest = held[np.argsort(self.used[held], kind="stable")[:count]]
         self.page_of[oldest] = -1
         return oldest
+
+
+def _reclaimed(rows: int) -> StagingLost:
+    return StagingLost(f"kvmix: the open group of {rows} running request(s) was reclaimed "
+                       "while they were not scheduled; raise max_num_seqs")
+
+
+def _too_few(count: int, slots: int) -> StagingLost:
+    return StagingLost(f"kvmix: {count} more open groups than staging slots ({slots}, one per "
+                       "running sequence): raise max_num_seqs")
 
 
 class Planner:
@@ -242,7 +267,12 @@ class Planner:
         self._pending = None
         rows = Rows(starts, lengths, block_table, self.readers.group, self.readers.block_size,
                     requests)
-        slots = RequestSlots.assign(rows) if requests is not None else self.book.assign(rows)
+        if requests is not None:
+            slots = RequestSlots.assign(rows)
+        elif self.readers.kernels == "cpu":  # the op library keeps the book
+            slots = self.book.assign_by_op(rows)
+        else:
+            slots = self.book.assign(rows)
         plan = plan_step(rows, slots, self.readers, self.device)
         if slots.book is not None:
             self._pending = plan, slots

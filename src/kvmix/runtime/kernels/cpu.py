@@ -11,8 +11,8 @@ planes: 16-bit precision relative to each block's largest weight, the one error 
 float kernels' arithmetic (``describe`` says which kernels run).
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
 sequence's float slots and its pages in the layer's pool, read through the block table. The
-library also holds the vLLM plugin's step ops: ``plan_step`` (a step's plan, once for every
-layer), ``step`` (a layer's step in one call: its seals encoded into their pages, then
+library also holds the vLLM plugin's step ops: ``assign_slots`` and ``plan_step`` (a step's
+staging slots and plan, once for every layer), ``step`` (a layer's step in one call: its seals encoded into their pages, then
 ``decode_batch``), ``seal_tokens``, ``encode_pages`` and ``write_pages`` (the seals made
 before it: a step's sealed groups gathered, encoded into their pages, fields written) and
 ``put_values`` (values by token).

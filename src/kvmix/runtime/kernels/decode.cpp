@@ -1171,20 +1171,9 @@ Tensor step(const Tensor& query, double scale, const Tensor& staging_keys,
                       values, r.own_pages, out);
 }
 
-// kvmix::plan_step: the plan of one vLLM step (kvmix.vllm.plan.reference_plan, its reference)
-// from its rows (PlanRows) and what reads it (PlanFlags): the plan's arrays in the reference's
-// order, views of one tensor (writes: stage_at, staged, staged_at, value_at; seals: pages,
-// first_pages, tokens, tokens_at, carried, carried_at, firsts; sums: restart, tokens, into,
-// sealed, carried; kernel rows: tokens, table, held, counts, floats, own_pages), None where the
-// step has none; its facts [N, E, has_seals, has_sums, has_rows, every_token, all_staged, F,
-// then where `selects` each kernel row's first page] and, where it has kernel rows, the rows
-// as kvmix::step reads them.
-std::tuple<std::vector<std::optional<Tensor>>, std::vector<int64_t>,
-           std::optional<c10::intrusive_ptr<StepRows>>>
-plan_step(
-    const Tensor& starts, const Tensor& lengths, const Tensor& block_table,
-    const Tensor& slot_before, const Tensor& slot_after, int64_t group, int64_t block_size,
-    bool fused, bool exact, bool by_op, bool token_values, bool sums, bool selects) {
+// A step's rows (PlanRows, without their slots) from vLLM's description of the step.
+PlanRows read_rows(const Tensor& starts, const Tensor& lengths, const Tensor& block_table,
+                   int64_t group, int64_t block_size) {
   PlanRows r;
   r.R = lengths.numel();
   r.G = group;
@@ -1202,8 +1191,6 @@ plan_step(
   else r.table64 = block_table.const_data_ptr<int64_t>();
   r.starts = host_ints(starts, r.R + 1, "starts");
   r.lengths = host_ints(lengths, r.R, "lengths");
-  r.slot_before = host_ints(slot_before, r.R, "slot_before");
-  r.slot_after = host_ints(slot_after, r.R, "slot_after");
   check(r.starts[0] == 0, "plan_step: the step's tokens must start at 0");
   for (int64_t i = 0; i < r.R; ++i) {
     const int64_t fresh = r.starts[i + 1] - r.starts[i], past = r.lengths[i] - fresh;
@@ -1215,6 +1202,47 @@ plan_step(
     r.staged.push_back(past % group);
     r.done.push_back(r.lengths[i] / group);
   }
+  return r;
+}
+
+// kvmix::assign_slots: the staging slots of a step's rows on a runner that gives no request
+// identity (SlotBook; kvmix.vllm.plan.PageSlots.assign, its reference): the slot of each row's
+// open group before and after the step [R], the book once the step has run (page_of, used
+// [slots]; the step count is step + 1) and `lost` (0, or see SlotBook::assign).
+std::tuple<Tensor, Tensor, Tensor, Tensor, int64_t> assign_slots(
+    const Tensor& starts, const Tensor& lengths, const Tensor& block_table, const Tensor& page_of,
+    const Tensor& used, int64_t step, int64_t group, int64_t block_size) {
+  const PlanRows r = read_rows(starts, lengths, block_table, group, block_size);
+  SlotBook book;
+  book.page_of = host_ints(page_of, page_of.numel(), "page_of");
+  book.used = host_ints(used, page_of.numel(), "used");
+  book.step = step;
+  std::vector<int64_t> before, after;
+  const int64_t lost = book.assign(r, before, after);
+  const auto tensor = [](const std::vector<int64_t>& v) {
+    Tensor t = at::empty({int64_t(v.size())}, at::TensorOptions().dtype(at::kLong));
+    if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+    return t;
+  };
+  return {tensor(before), tensor(after), tensor(book.page_of), tensor(book.used), lost};
+}
+
+// kvmix::plan_step: the plan of one vLLM step (kvmix.vllm.plan.reference_plan, its reference)
+// from its rows (PlanRows) and what reads it (PlanFlags): the plan's arrays in the reference's
+// order, views of one tensor (writes: stage_at, staged, staged_at, value_at; seals: pages,
+// first_pages, tokens, tokens_at, carried, carried_at, firsts; sums: restart, tokens, into,
+// sealed, carried; kernel rows: tokens, table, held, counts, floats, own_pages), None where the
+// step has none; its facts [N, E, has_seals, has_sums, has_rows, every_token, all_staged, F,
+// then where `selects` each kernel row's first page] and, where it has kernel rows, the rows
+// as kvmix::step reads them.
+std::tuple<std::vector<std::optional<Tensor>>, std::vector<int64_t>,
+           std::optional<c10::intrusive_ptr<StepRows>>>
+plan_step(const Tensor& starts, const Tensor& lengths, const Tensor& block_table,
+          const Tensor& slot_before, const Tensor& slot_after, int64_t group, int64_t block_size,
+          bool fused, bool exact, bool by_op, bool token_values, bool sums, bool selects) {
+  PlanRows r = read_rows(starts, lengths, block_table, group, block_size);
+  r.slot_before = host_ints(slot_before, r.R, "slot_before");
+  r.slot_after = host_ints(slot_after, r.R, "slot_after");
   const PlanArrays a = plan_arrays(r, {fused, exact, by_op, token_values, sums, selects});
   // the parts the step has (None: a group that does not run, or an array its readers skip)
   const bool writes_by_op = by_op, staged_here = !by_op;
@@ -1303,6 +1331,10 @@ TORCH_LIBRARY(kvmix, m) {
       "Tensor? new_keys=None, Tensor? new_values=None, Tensor? value_pages=None, "
       "Tensor(d!)? out=None) -> Tensor");
   m.def(
+      "assign_slots(Tensor starts, Tensor lengths, Tensor block_table, Tensor page_of, "
+      "Tensor used, int step, int group, int block_size) -> (Tensor, Tensor, Tensor, Tensor, "
+      "int)");
+  m.def(
       "plan_step(Tensor starts, Tensor lengths, Tensor block_table, Tensor slot_before, "
       "Tensor slot_after, int group, int block_size, bool fused, bool exact, bool by_op, "
       "bool token_values, bool sums, bool selects) -> "
@@ -1322,6 +1354,7 @@ TORCH_LIBRARY_IMPL(kvmix, CPU, m) {
   m.impl("decode_batch", &decode_batch);
   m.impl("step", &step);
   m.impl("plan_step", &plan_step);
+  m.impl("assign_slots", &assign_slots);
   m.impl("quantize", &quantize);
   m.impl("quantize_mixed", &quantize_mixed);
   m.impl("encode_pages", &encode_pages);

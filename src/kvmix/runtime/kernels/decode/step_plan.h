@@ -67,6 +67,90 @@ std::vector<std::optional<Tensor>> views_of_one(const std::vector<PlanPart>& par
   return views;
 }
 
+// The page-keyed staging book (kvmix.vllm.plan.PageSlots, its reference): per slot the page
+// whose open group it holds (page_of, -1: free) and the last step that used it (used), and the
+// step count. `assign` returns the step's slots before and after it [R] and changes the book
+// to what it is once the step has run; `lost` > 0: that many running rows found their open
+// group reclaimed; < 0: that many more open groups than slots.
+struct SlotBook {
+  std::vector<int64_t> page_of, used;
+  int64_t step = 0;
+
+  // The slot holding page p's open group (the lowest such), or -1.
+  int64_t find(int64_t p) const {
+    for (size_t s = 0; s < page_of.size(); ++s)
+      if (page_of[s] == p) return int64_t(s);
+    return -1;
+  }
+
+  int64_t assign(const PlanRows& r, std::vector<int64_t>& before, std::vector<int64_t>& after) {
+    const int64_t R = r.R, G = r.G;
+    before.assign(R, -1);
+    after.assign(R, -1);
+    int64_t lost = 0;
+    for (int64_t i = 0; i < R; ++i)
+      if (r.staged[i] > 0) {
+        before[i] = find(r.page(i, r.opened[i]));
+        lost += before[i] < 0;
+      }
+    if (lost) return lost;
+    std::vector<int64_t> keep, opening, pages;  // slots read now; rows opening, their pages
+    for (int64_t i = 0; i < R; ++i) {
+      const bool sealing = r.done[i] > r.opened[i], tail = r.lengths[i] % G > 0;
+      const bool continuing = tail && !sealing && r.staged[i] > 0;
+      if (continuing) {
+        after[i] = before[i];
+        keep.push_back(before[i]);
+      } else if (tail) {
+        opening.push_back(i);
+      }
+    }
+    // the slots of groups sealed now are free for groups opening now, stale slots go back
+    for (int64_t i = 0; i < R; ++i)
+      for (int64_t g = r.opened[i]; g < r.done[i]; ++g) {
+        const int64_t s = find(r.page(i, g));
+        if (s >= 0) page_of[s] = -1;
+      }
+    std::vector<int64_t> slots;
+    int64_t need = 0;
+    for (const int64_t i : opening) {
+      pages.push_back(r.page(i, r.done[i]));
+      slots.push_back(find(pages.back()));
+      need += slots.back() < 0;
+    }
+    std::vector<int64_t> free;
+    for (size_t s = 0; s < page_of.size(); ++s)
+      if (page_of[s] < 0) free.push_back(int64_t(s));
+    if (int64_t(free.size()) < need) {  // reclaim the slots used longest ago
+      const int64_t count = need - int64_t(free.size());
+      std::vector<int64_t> held;
+      for (size_t s = 0; s < page_of.size(); ++s) {
+        const auto in = [&](const std::vector<int64_t>& v) {
+          return std::find(v.begin(), v.end(), int64_t(s)) != v.end();
+        };
+        if (page_of[s] >= 0 && !in(keep) && !in(slots)) held.push_back(int64_t(s));
+      }
+      if (int64_t(held.size()) < count) return -count;
+      std::stable_sort(held.begin(), held.end(),
+                       [&](int64_t a, int64_t b) { return used[a] < used[b]; });
+      for (int64_t k = 0; k < count; ++k) {
+        page_of[held[k]] = -1;
+        free.push_back(held[k]);
+      }
+    }
+    for (size_t k = 0, taken = 0; k < opening.size(); ++k) {
+      if (slots[k] < 0) slots[k] = free[taken++];
+      page_of[slots[k]] = pages[k];
+      after[opening[k]] = slots[k];
+    }
+    ++step;
+    for (const auto* side : {&before, &after})
+      for (const int64_t s : *side)
+        if (s >= 0) used[s] = step;
+    return 0;
+  }
+};
+
 // Who reads the plan (kvmix.vllm.plan.Readers) and what the step runs: `fused` prefill
 // chunks' tokens are kernel rows, `exact` a prompt's first chunk attends in float (a chunk of
 // the reference path), `by_op` the CPU op stages the tokens, `token_values` values go to pages
