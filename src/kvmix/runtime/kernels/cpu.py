@@ -12,10 +12,10 @@ float kernels' arithmetic (``describe`` says which kernels run).
 ``attend_batch`` is a decode step of the whole batch in one op call (``decode_batch``): every
 sequence's float slots and its pages in the layer's pool, read through the block table. The
 library also holds the vLLM plugin's step ops: ``assign_slots`` and ``plan_step`` (a step's
-staging slots and plan, once for every layer), ``step`` (a layer's step in one call: its seals encoded into their pages, then
-``decode_batch``), ``seal_tokens``, ``encode_pages`` and ``write_pages`` (the seals made
-before it: a step's sealed groups gathered, encoded into their pages, fields written) and
-``put_values`` (values by token).
+staging slots and plan, once for every layer), ``step`` (a layer's step in one call: its
+seals encoded into their pages, then ``decode_batch``), ``seal_tokens``, ``encode_pages`` and
+``write_pages`` (the seals made before it: a step's sealed groups gathered, encoded into
+their pages, fields written) and ``put_values`` (values by token).
 Flags: ``-O3 -march=native`` (the cache key holds the CPU); never ``-ffast-math`` (masked
 scores are -inf). Threads come from torch's own pool: ``at::parallel_for`` is inline OpenMP in
 torch's build, so the op is built with ``-fopenmp`` and resolves ``libgomp.so.1`` to the copy
