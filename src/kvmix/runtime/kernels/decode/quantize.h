@@ -148,7 +148,20 @@ void pack_row(const uint8_t* codes, int64_t n, uint8_t* out, int64_t step = 1) {
   } else {
     constexpr int per = 8 / BITS;
     const int64_t W = n * BITS / 8;
-    for (int64_t w = 0; w < W; ++w) {
+    int64_t w = 0;
+    // eight bytes at once (little-endian: byte j of a load is code j; a code shifted within
+    // its byte never carries into the next)
+    if (step == 1 && std::endian::native == std::endian::little)
+      for (; w + 8 <= W; w += 8) {
+        uint64_t word = 0;
+        for (int s = 0; s < per; ++s) {
+          uint64_t lane;
+          std::memcpy(&lane, codes + s * W + w, 8);
+          word |= lane << (s * BITS);
+        }
+        std::memcpy(out + w, &word, 8);
+      }
+    for (; w < W; ++w) {
       uint8_t byte = 0;
       for (int s = 0; s < per; ++s) byte |= uint8_t(codes[(s * W + w) * step] << (s * BITS));
       out[w] = byte;
