@@ -1024,17 +1024,9 @@ void head_channels(const uint8_t* row, int64_t units, const int64_t* pair, int64
   std::sort(at, at + n);
 }
 
-// kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
-// (rows of `units` bits as packing.pack packs them), units either channels or RoPE pairs
-// (`pairs` [units, 2] int64: both channels of a selected pair) -> each head's first `count`
-// channels, selected ones first, ascending [B, H, count] int64: importance.mask_index of the
-// channel mask.
-Tensor selected_channels(const Tensor& bits, int64_t heads, int64_t units,
-                         const std::optional<Tensor>& pairs, int64_t count) {
-  check(units > 0 && units % 8 == 0 && heads > 0, "units must be a positive multiple of 8");
-  check(bits.dim() == 2 && bits.scalar_type() == at::kByte && bits.is_contiguous() &&
-            bits.size(1) == heads * units / 8,
-        "bits must be uint8 [B, heads·units/8]");
+// `pairs` [units, 2] int64 (none: the units are channels) checked, with a `count` of channels
+// a head; its first element, or null.
+const int64_t* checked_pairs(const std::optional<Tensor>& pairs, int64_t units, int64_t count) {
   const int64_t* pair = nullptr;
   int64_t D = units;
   if (pairs) {
@@ -1047,6 +1039,21 @@ Tensor selected_channels(const Tensor& bits, int64_t heads, int64_t units,
       check(pair[i] >= 0 && pair[i] < D, "pairs name a channel outside [0, 2·units)");
   }
   check(count >= 0 && count <= D, "count must be in [0, channels]");
+  return pair;
+}
+
+// kvmix::selected_channels: a selection of one bit per (head, unit), packed [B, H·units/8]
+// (rows of `units` bits as packing.pack packs them), units either channels or RoPE pairs
+// (`pairs` [units, 2] int64: both channels of a selected pair) -> each head's first `count`
+// channels, selected ones first, ascending [B, H, count] int64: importance.mask_index of the
+// channel mask.
+Tensor selected_channels(const Tensor& bits, int64_t heads, int64_t units,
+                         const std::optional<Tensor>& pairs, int64_t count) {
+  check(units > 0 && units % 8 == 0 && heads > 0, "units must be a positive multiple of 8");
+  check(bits.dim() == 2 && bits.scalar_type() == at::kByte && bits.is_contiguous() &&
+            bits.size(1) == heads * units / 8,
+        "bits must be uint8 [B, heads·units/8]");
+  const int64_t* pair = checked_pairs(pairs, units, count);
   const int64_t B = bits.size(0);
   Tensor out = at::empty({B, heads, count}, bits.options().dtype(at::kLong));
   const uint8_t* in = bits.data_ptr<uint8_t>();
@@ -1090,6 +1097,16 @@ std::optional<Tensor> copy_selections(const std::vector<Tensor>& selection, cons
   if (E == 0) return std::nullopt;
   const int64_t* to = data<int64_t>(pages, "seal pages");
   const int64_t* from = data<int64_t>(first_pages, "first pages");
+  const bool mixed = how.high > how.low;
+  const int64_t W = how.units / 8;
+  const int64_t* pair = nullptr;
+  if (mixed) {  // every argument checked before the first write
+    check(!selection.empty() && how.units > 0 && how.units % 8 == 0 &&
+              selection[0].scalar_type() == at::kByte && selection[0].dim() == 2 &&
+              selection[0].size(1) == H * W,
+          "mixed widths need the pages' selection bits, uint8 [P, H·units/8]");
+    pair = checked_pairs(how.pairs, how.units, how.count);
+  }
   for (const Tensor& field : selection) {
     check(field.is_contiguous() && field.dim() >= 1 && field.device().is_cpu(),
           "a selection field must be contiguous [P, ...] on the CPU");
@@ -1103,23 +1120,7 @@ std::optional<Tensor> copy_selections(const std::vector<Tensor>& selection, cons
     for (int64_t e = 0; e < E; ++e)
       if (to[e] != from[e]) std::memcpy(base + to[e] * bytes, base + from[e] * bytes, bytes);
   }
-  if (how.high == how.low) return std::nullopt;
-  const int64_t W = how.units / 8;
-  check(!selection.empty() && how.units > 0 && how.units % 8 == 0 &&
-            selection[0].scalar_type() == at::kByte && selection[0].dim() == 2 &&
-            selection[0].size(1) == H * W,
-        "mixed widths need the pages' selection bits, uint8 [P, H·units/8]");
-  const int64_t* pair = nullptr;
-  if (how.pairs) {
-    check(how.pairs->dim() == 2 && how.pairs->size(0) == how.units && how.pairs->size(1) == 2,
-          "pairs must be int64 [units, 2]");
-    pair = data<int64_t>(*how.pairs, "pairs");
-  }
-  const int64_t D = pair ? 2 * how.units : how.units;
-  check(how.count >= 0 && how.count <= D, "count must be in [0, channels]");
-  if (pair)
-    for (int64_t i = 0; i < 2 * how.units; ++i)
-      check(pair[i] >= 0 && pair[i] < D, "pairs name a channel outside [0, 2·units)");
+  if (!mixed) return std::nullopt;
   Tensor index = at::empty({E, H, how.count}, first_pages.options());
   const uint8_t* bits = selection[0].data_ptr<uint8_t>();
   int64_t* at = index.data_ptr<int64_t>();
